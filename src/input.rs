@@ -1,0 +1,283 @@
+//! What goes into the routing core and what comes out of it.
+//!
+//! Every input is already parsed, validated and hashed (token ids turned into local block
+//! hashes) by the adapter that received it; the core only folds it into state. Inputs are
+//! serializable because they are exactly what the journal stores.
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// A worker id: 1 to 128 characters from `A-Z a-z 0-9 _ - :` (DESIGN.md §3). No dots, because a
+/// worker id is one NATS subject token.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct WorkerId(Arc<str>);
+
+/// Longest accepted worker id, in characters.
+pub const MAX_WORKER_ID_LEN: usize = 128;
+
+impl WorkerId {
+    pub fn new(id: &str) -> Result<Self, InvalidWorkerId> {
+        let valid_len = !id.is_empty() && id.len() <= MAX_WORKER_ID_LEN;
+        let valid_chars = id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b':'));
+        if valid_len && valid_chars {
+            Ok(WorkerId(Arc::from(id)))
+        } else {
+            Err(InvalidWorkerId(id.chars().take(MAX_WORKER_ID_LEN + 8).collect()))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl TryFrom<String> for WorkerId {
+    type Error = InvalidWorkerId;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        WorkerId::new(&s)
+    }
+}
+
+impl From<WorkerId> for String {
+    fn from(id: WorkerId) -> String {
+        id.0.to_string()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid worker id {0:?}: expected 1 to 128 characters from A-Z a-z 0-9 _ - :")]
+pub struct InvalidWorkerId(pub String);
+
+/// Why an input (or part of one) was not applied. The set is closed so that
+/// `kvrouted_inputs_rejected_total{reason}` has bounded labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectReason {
+    /// Not MessagePack (or not JSON), or the wrong shape at the top level.
+    MalformedPayload,
+    /// An event tag that is not `BlockStored`, `BlockRemoved` or `AllBlocksCleared`.
+    UnknownEventTag,
+    /// A required field is missing or has the wrong type or range.
+    InvalidField,
+    /// `token_ids` does not hold `block_size` tokens for every block hash.
+    TokenCountMismatch,
+    /// An event's block size differs from the model's configured block size.
+    BlockSizeMismatch,
+    /// A load value that is NaN, infinite or out of range.
+    InvalidLoadValue,
+    /// A worker id (subject token) that breaks the naming rule.
+    InvalidWorkerId,
+    /// A payload above the size limit.
+    OversizePayload,
+    /// A lifecycle `op` other than join, drain, leave.
+    UnknownLifecycleOp,
+    /// A `Kv-Seq` or `Kv-Dp-Rank` header that is not a decimal integer.
+    InvalidHeader,
+}
+
+impl RejectReason {
+    pub const ALL: [RejectReason; 10] = [
+        RejectReason::MalformedPayload,
+        RejectReason::UnknownEventTag,
+        RejectReason::InvalidField,
+        RejectReason::TokenCountMismatch,
+        RejectReason::BlockSizeMismatch,
+        RejectReason::InvalidLoadValue,
+        RejectReason::InvalidWorkerId,
+        RejectReason::OversizePayload,
+        RejectReason::UnknownLifecycleOp,
+        RejectReason::InvalidHeader,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::MalformedPayload => "malformed_payload",
+            RejectReason::UnknownEventTag => "unknown_event_tag",
+            RejectReason::InvalidField => "invalid_field",
+            RejectReason::TokenCountMismatch => "token_count_mismatch",
+            RejectReason::BlockSizeMismatch => "block_size_mismatch",
+            RejectReason::InvalidLoadValue => "invalid_load_value",
+            RejectReason::InvalidWorkerId => "invalid_worker_id",
+            RejectReason::OversizePayload => "oversize_payload",
+            RejectReason::UnknownLifecycleOp => "unknown_lifecycle_op",
+            RejectReason::InvalidHeader => "invalid_header",
+        }
+    }
+}
+
+/// A typed rejection: the bounded reason for metrics plus a one-line detail for logs and HTTP.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[error("{detail}")]
+pub struct Rejection {
+    pub reason: RejectReason,
+    pub detail: String,
+}
+
+impl Rejection {
+    pub fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
+        Rejection {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Where a block lives on the worker. Only GPU blocks count as ownership; other tiers (CPU
+/// offload, disk) are counted and ignored, never mixed with GPU ownership.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Medium {
+    Gpu,
+    Other,
+}
+
+/// One block of a `BlockStored` event, already hashed by the adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredBlock {
+    /// The engine's own (opaque) hash, used by later removals and as a parent reference.
+    pub engine_hash: u64,
+    /// [`crate::hashing::local_hash`] of the block's tokens.
+    pub local: u64,
+}
+
+/// One KV cache event, in the engine-neutral form the core applies.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum KvEvent {
+    Stored {
+        /// Engine hash of the block before the first one; unknown parents start a new chain.
+        parent: Option<u64>,
+        blocks: Vec<StoredBlock>,
+        block_size: u32,
+        /// LoRA adapter name; each (model, LoRA) pair is its own namespace.
+        lora: Option<String>,
+        medium: Medium,
+    },
+    Removed {
+        engine_hashes: Vec<u64>,
+        medium: Medium,
+    },
+    Cleared,
+}
+
+/// A KV event batch from one worker (`kv.events.<worker>`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvEventBatch {
+    pub worker: WorkerId,
+    /// `Kv-Model` header; falls back to the model the worker declared.
+    pub model: Option<String>,
+    /// Data-parallel rank (`Kv-Dp-Rank` header or the batch's own field); 0 when absent.
+    pub dp_rank: u32,
+    /// `Kv-Seq` publisher sequence; batches without one apply in arrival order.
+    pub seq: Option<u64>,
+    pub events: Vec<KvEvent>,
+}
+
+/// A load sample (`kv.load.<worker>`), validated: `kv_usage` is finite and within 0..=1.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadSample {
+    pub worker: WorkerId,
+    pub kv_usage: f64,
+    pub running: u32,
+    pub waiting: u32,
+    pub max_running: Option<u32>,
+    pub model: Option<String>,
+}
+
+impl LoadSample {
+    /// Pressure = max(kv_usage, (running + waiting) / max_running when max_running > 0).
+    pub fn pressure(&self) -> f64 {
+        let queue = match self.max_running {
+            Some(max) if max > 0 => (self.running as f64 + self.waiting as f64) / max as f64,
+            _ => 0.0,
+        };
+        self.kv_usage.max(queue)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LifecycleOp {
+    Join,
+    Drain,
+    Leave,
+}
+
+/// A lifecycle message (`kv.workers.<worker>`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Lifecycle {
+    pub worker: WorkerId,
+    pub op: LifecycleOp,
+    pub model: Option<String>,
+    pub block_size: Option<u32>,
+    pub capacity_blocks: Option<u64>,
+}
+
+/// A routing request, reduced to what the decision needs (tokens are already block keys).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteRequest {
+    pub model: Option<String>,
+    pub lora: Option<String>,
+    pub keys: Vec<u64>,
+    pub prompt_tokens: u64,
+    pub max_output_tokens: Option<u64>,
+    pub exclude: Vec<WorkerId>,
+    pub request_id: Option<String>,
+    pub explain: bool,
+}
+
+/// Everything the state machine applies.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Input {
+    KvEvents(KvEventBatch),
+    Load(LoadSample),
+    Lifecycle(Lifecycle),
+    Route(RouteRequest),
+    Release { reservation: u64 },
+    /// Periodic housekeeping: worker age-out and expiry of reservations and records.
+    Tick,
+    /// The daemon came back up: every known worker gets a fresh `worker_ttl` to be heard from,
+    /// because time the daemon was down does not count against workers.
+    Resume,
+}
+
+impl Input {
+    /// Short name of the input kind, for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Input::KvEvents(_) => "kv_events",
+            Input::Load(_) => "load",
+            Input::Lifecycle(_) => "lifecycle",
+            Input::Route(_) => "route",
+            Input::Release { .. } => "release",
+            Input::Tick => "tick",
+            Input::Resume => "resume",
+        }
+    }
+}
+
+/// An input as journaled: its sequence number and the daemon clock when it was applied.
+/// The sequence number also seeds the decision's random choices, so replay is exact.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stamped {
+    pub seq: u64,
+    /// Milliseconds on the daemon's clock (Unix epoch).
+    pub at_ms: u64,
+    pub input: Input,
+}

@@ -1,0 +1,14 @@
+//! kvrouted: routes LLM inference requests to the worker whose KV cache already holds the
+//! longest prefix of the prompt.
+//!
+//! The crate is one pure, deterministic state machine ([`router::Router`]) and thin adapters
+//! around it. Start reading at [`router`], then [`policy`] for DESIGN.md §5.
+
+pub mod hashing;
+pub mod input;
+pub mod wire;
+pub mod index;
+pub mod policy;
+pub mod reservations;
+pub mod router;
+pub mod workers;

@@ -1,0 +1,115 @@
+//! Baseline policies, for the simulator and for comparisons (DESIGN.md §5, last paragraph).
+//!
+//! Baselines use the same decision labels: the chosen worker is an owner → `owner_hold`; owners
+//! exist but another worker was chosen → `pressure_spill` (a new copy of the prefix); no usable
+//! owner → `cold_miss` or `owner_unavailable`.
+
+use rand::Rng;
+
+use super::{
+    best_by, by_reserved_work, longest_match, owners_unavailable, positions, power_of_two, Choice,
+    DecisionLabel, PolicyConfig, PolicyState, RouteView, WorkerView,
+};
+
+/// Labels a baseline's pick the way DESIGN.md §5 would name it.
+fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
+    let (owners, depth) = longest_match(config, view).unwrap_or_default();
+    let label = if owners.contains(&worker) {
+        DecisionLabel::OwnerHold
+    } else if !owners.is_empty() {
+        DecisionLabel::PressureSpill
+    } else if owners_unavailable(config, view) {
+        DecisionLabel::OwnerUnavailable
+    } else {
+        DecisionLabel::ColdMiss
+    };
+    Choice {
+        worker,
+        label,
+        matched_blocks: if owners.contains(&worker) { depth } else { view.workers[worker].depth },
+        known_owners: owners,
+        spilled_prefix: None,
+    }
+}
+
+/// Fewest outstanding requests, then least reserved work, then id.
+fn by_request_count(a: &WorkerView, b: &WorkerView) -> std::cmp::Ordering {
+    a.reserved_requests
+        .cmp(&b.reserved_requests)
+        .then_with(|| by_reserved_work(a, b))
+}
+
+/// Imbalance-first, the behaviour kvrouted replaces: any fleet imbalance (a request-count spread
+/// beyond `legacy_balance_abs` and `legacy_balance_rel`, or any worker above high_water) routes
+/// to the globally least-loaded worker; owners are used only when the fleet is balanced, and the
+/// owner budget is a replication *target*: while a prefix has fewer owners than
+/// `max_owners_per_prefix`, a less-loaded non-owner gets a new copy.
+pub fn legacy(config: &PolicyConfig, view: &RouteView) -> Option<Choice> {
+    let candidates = positions(view, |w| w.candidate);
+    if candidates.is_empty() {
+        return None;
+    }
+    let least_loaded = best_by(view, &candidates, by_request_count);
+    let counts = candidates.iter().map(|&i| view.workers[i].reserved_requests);
+    let (min, max) = counts.fold((u32::MAX, 0), |(lo, hi), c| (lo.min(c), hi.max(c)));
+    let spread = max - min > config.legacy_balance_abs
+        && max as f64 > min as f64 * config.legacy_balance_rel;
+    let overloaded = candidates
+        .iter()
+        .any(|&i| view.workers[i].pressure.is_some_and(|p| p > config.high_water));
+    if spread || overloaded {
+        return Some(labelled(config, view, least_loaded));
+    }
+    let Some((owners, _)) = longest_match(config, view) else {
+        return Some(labelled(config, view, least_loaded));
+    };
+    let best_owner = best_by(view, &owners, by_request_count);
+    let below_target = owners.len() < config.max_owners_per_prefix;
+    let replicate = below_target
+        && view.workers[least_loaded].reserved_requests < view.workers[best_owner].reserved_requests;
+    let worker = if replicate { least_loaded } else { best_owner };
+    Some(labelled(config, view, worker))
+}
+
+/// Candidates in turn, cache- and load-blind.
+pub fn round_robin(
+    config: &PolicyConfig,
+    state: &mut PolicyState,
+    view: &RouteView,
+) -> Option<Choice> {
+    let candidates = positions(view, |w| w.candidate);
+    if candidates.is_empty() {
+        return None;
+    }
+    let worker = candidates[(state.round_robin_cursor % candidates.len() as u64) as usize];
+    state.round_robin_cursor = state.round_robin_cursor.wrapping_add(1);
+    Some(labelled(config, view, worker))
+}
+
+/// Size-aware power-of-two choices over all candidates, cache-blind.
+pub fn p2c(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Option<Choice> {
+    let candidates = positions(view, |w| w.candidate);
+    if candidates.is_empty() {
+        return None;
+    }
+    let worker = power_of_two(view, &candidates, rng);
+    Some(labelled(config, view, worker))
+}
+
+/// Always the deepest owner (least reserved work among equals), pressure-blind; cold misses
+/// go to power-of-two choices.
+pub fn longest_prefix(
+    config: &PolicyConfig,
+    view: &RouteView,
+    rng: &mut impl Rng,
+) -> Option<Choice> {
+    let candidates = positions(view, |w| w.candidate);
+    if candidates.is_empty() {
+        return None;
+    }
+    let worker = match longest_match(config, view) {
+        Some((owners, _)) => best_by(view, &owners, by_reserved_work),
+        None => power_of_two(view, &candidates, rng),
+    };
+    Some(labelled(config, view, worker))
+}

@@ -1,0 +1,306 @@
+//! Routing policies: the pressure-first longest-prefix policy of DESIGN.md §5
+//! ([`pressure_first`]) and the baselines it is compared with ([`baselines`]).
+//!
+//! A policy is a pure function of a [`RouteView`] (what the router knows about each worker for
+//! this request) and a seeded RNG. It returns a [`Choice`]; the router applies the choice's
+//! effects (reservation, approximate ownership, provisional owner) in the same transition.
+
+pub mod baselines;
+pub mod pressure_first;
+
+use std::cmp::Ordering;
+use std::fmt;
+use std::str::FromStr;
+
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::index::Slot;
+use crate::input::WorkerId;
+
+/// Which policy decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// DESIGN.md §5: longest-prefix ownership first, replicate only under pressure.
+    PressureFirst,
+    /// Imbalance-first: any fleet imbalance routes to the globally least-loaded worker.
+    Legacy,
+    RoundRobin,
+    /// Size-aware power-of-two choices, cache-blind.
+    P2c,
+    /// Always the deepest owner, pressure-blind.
+    LongestPrefix,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::PressureFirst,
+        PolicyKind::Legacy,
+        PolicyKind::RoundRobin,
+        PolicyKind::P2c,
+        PolicyKind::LongestPrefix,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::PressureFirst => "pressure_first",
+            PolicyKind::Legacy => "legacy",
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::P2c => "p2c",
+            PolicyKind::LongestPrefix => "longest_prefix",
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = PolicyKind::ALL.iter().map(|k| k.as_str()).collect();
+                format!("unknown policy {s:?}; expected one of {}", names.join(", "))
+            })
+    }
+}
+
+/// The label of a routing decision. The set is closed (DESIGN.md §5): metrics and the journal use
+/// these names verbatim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionLabel {
+    OwnerHold,
+    PressureSpill,
+    SpillCooldownHold,
+    NoSafeHomeHold,
+    CeilingHold,
+    ColdMiss,
+    OwnerUnavailable,
+}
+
+impl DecisionLabel {
+    pub const ALL: [DecisionLabel; 7] = [
+        DecisionLabel::OwnerHold,
+        DecisionLabel::PressureSpill,
+        DecisionLabel::SpillCooldownHold,
+        DecisionLabel::NoSafeHomeHold,
+        DecisionLabel::CeilingHold,
+        DecisionLabel::ColdMiss,
+        DecisionLabel::OwnerUnavailable,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionLabel::OwnerHold => "owner_hold",
+            DecisionLabel::PressureSpill => "pressure_spill",
+            DecisionLabel::SpillCooldownHold => "spill_cooldown_hold",
+            DecisionLabel::NoSafeHomeHold => "no_safe_home_hold",
+            DecisionLabel::CeilingHold => "ceiling_hold",
+            DecisionLabel::ColdMiss => "cold_miss",
+            DecisionLabel::OwnerUnavailable => "owner_unavailable",
+        }
+    }
+}
+
+impl fmt::Display for DecisionLabel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Policy settings (DESIGN.md §5 and §13). Durations are in milliseconds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyConfig {
+    pub kind: PolicyKind,
+    /// The router creates no new owner of a prefix once this many are known.
+    pub max_owners_per_prefix: usize,
+    /// After a spill for a prefix, no further owner is created for it within this window.
+    pub spill_cooldown_ms: u64,
+    /// Pressure above this is never "safe", whatever the other owners look like.
+    pub high_water: f64,
+    /// How far above the best owner's pressure an owner may be before it counts as pressured.
+    pub pressure_slack: f64,
+    /// Telemetry older than this is stale: it neither pressures an owner nor makes a safe home.
+    pub telemetry_max_age_ms: u64,
+    /// Shallower matches than this are cold misses.
+    pub min_match_blocks: u32,
+    /// `legacy`: a request-count spread above this (and above `legacy_balance_rel`) is imbalance.
+    pub legacy_balance_abs: u32,
+    /// `legacy`: max/min request-count ratio above this (and above `legacy_balance_abs`) is
+    /// imbalance.
+    pub legacy_balance_rel: f64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            kind: PolicyKind::PressureFirst,
+            max_owners_per_prefix: 4,
+            spill_cooldown_ms: 5_000,
+            high_water: 0.90,
+            pressure_slack: 0.10,
+            telemetry_max_age_ms: 30_000,
+            min_match_blocks: 1,
+            legacy_balance_abs: 2,
+            legacy_balance_rel: 1.5,
+        }
+    }
+}
+
+/// What the policy knows about one known worker for one request.
+#[derive(Debug, Clone)]
+pub struct WorkerView<'a> {
+    pub slot: Slot,
+    pub id: &'a WorkerId,
+    /// A candidate: not draining, not excluded, serving the request's model.
+    pub candidate: bool,
+    /// Leading blocks of the request it holds consecutively (authoritative or fresh approximate,
+    /// whichever is deeper).
+    pub depth: u32,
+    /// Pressure from fresh telemetry; `None` when missing or stale.
+    pub pressure: Option<f64>,
+    pub waiting: u32,
+    pub reserved_work: u64,
+    pub reserved_requests: u32,
+}
+
+/// The provisional owner recorded for a prefix by an earlier spill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProvisionalOwner {
+    pub slot: Slot,
+    pub spilled_ms: u64,
+}
+
+/// Everything a policy decides on.
+pub struct RouteView<'a> {
+    pub now_ms: u64,
+    /// The request's block keys.
+    pub keys: &'a [u64],
+    /// Every known worker, in slot order.
+    pub workers: &'a [WorkerView<'a>],
+    /// The provisional owner recorded for a prefix key, if any.
+    pub provisional: &'a dyn Fn(u64) -> Option<ProvisionalOwner>,
+}
+
+/// A policy's decision. Worker positions index [`RouteView::workers`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    pub worker: usize,
+    pub label: DecisionLabel,
+    pub matched_blocks: u32,
+    pub known_owners: Vec<usize>,
+    /// Set on `pressure_spill`: record the chosen worker as provisional owner of this prefix.
+    pub spilled_prefix: Option<u64>,
+}
+
+/// Mutable policy state that is not ownership: the round-robin cursor.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+pub struct PolicyState {
+    pub round_robin_cursor: u64,
+}
+
+/// Decides a route with the configured policy. `None` when there is no candidate.
+pub fn decide(
+    config: &PolicyConfig,
+    state: &mut PolicyState,
+    view: &RouteView,
+    rng: &mut impl Rng,
+) -> Option<Choice> {
+    match config.kind {
+        PolicyKind::PressureFirst => pressure_first::decide(config, view, rng),
+        PolicyKind::Legacy => baselines::legacy(config, view),
+        PolicyKind::RoundRobin => baselines::round_robin(config, state, view),
+        PolicyKind::P2c => baselines::p2c(config, view, rng),
+        PolicyKind::LongestPrefix => baselines::longest_prefix(config, view, rng),
+    }
+}
+
+/// The deepest match among candidates: positions of the owners and their depth, if that depth
+/// reaches `min_match_blocks` (DESIGN.md §5 step 2).
+pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(Vec<usize>, u32)> {
+    let depth = view
+        .workers
+        .iter()
+        .filter(|w| w.candidate)
+        .map(|w| w.depth)
+        .max()?;
+    if depth == 0 || depth < config.min_match_blocks {
+        return None;
+    }
+    let owners = positions(view, |w| w.candidate && w.depth == depth);
+    Some((owners, depth))
+}
+
+/// Whether some worker that is not a candidate (draining, excluded) holds a usable match: the
+/// `owner_unavailable` case of DESIGN.md §5 step 7.
+pub(crate) fn owners_unavailable(config: &PolicyConfig, view: &RouteView) -> bool {
+    let min = config.min_match_blocks.max(1);
+    view.workers.iter().any(|w| !w.candidate && w.depth >= min)
+}
+
+pub(crate) fn positions(view: &RouteView, keep: impl Fn(&WorkerView) -> bool) -> Vec<usize> {
+    (0..view.workers.len()).filter(|&i| keep(&view.workers[i])).collect()
+}
+
+/// Orders missing pressure after every known one.
+fn pressure_order(a: Option<f64>, b: Option<f64>) -> Ordering {
+    match (a, b) {
+        (Some(a), Some(b)) => a.total_cmp(&b),
+        (Some(_), None) => Ordering::Less,
+        (None, Some(_)) => Ordering::Greater,
+        (None, None) => Ordering::Equal,
+    }
+}
+
+/// Least reserved work, then lower pressure, then fewer waiting, then id.
+pub(crate) fn by_reserved_work(a: &WorkerView, b: &WorkerView) -> Ordering {
+    a.reserved_work
+        .cmp(&b.reserved_work)
+        .then_with(|| pressure_order(a.pressure, b.pressure))
+        .then_with(|| a.waiting.cmp(&b.waiting))
+        .then_with(|| a.id.cmp(b.id))
+}
+
+/// Lowest pressure, then least reserved work, then id.
+pub(crate) fn by_pressure(a: &WorkerView, b: &WorkerView) -> Ordering {
+    pressure_order(a.pressure, b.pressure)
+        .then_with(|| a.reserved_work.cmp(&b.reserved_work))
+        .then_with(|| a.id.cmp(b.id))
+}
+
+/// The best of `pool` by `order`. `pool` must not be empty.
+pub(crate) fn best_by(
+    view: &RouteView,
+    pool: &[usize],
+    order: impl Fn(&WorkerView, &WorkerView) -> Ordering,
+) -> usize {
+    *pool
+        .iter()
+        .min_by(|&&a, &&b| order(&view.workers[a], &view.workers[b]))
+        .expect("best_by needs a non-empty pool")
+}
+
+/// Size-aware power-of-two choices: two distinct random members of `pool`, the one with less
+/// reserved work wins. `pool` must not be empty.
+pub(crate) fn power_of_two(view: &RouteView, pool: &[usize], rng: &mut impl Rng) -> usize {
+    match pool.len() {
+        0 => panic!("power_of_two needs a non-empty pool"),
+        1 => pool[0],
+        n => {
+            let a = rng.random_range(0..n);
+            let mut b = rng.random_range(0..n - 1);
+            if b >= a {
+                b += 1;
+            }
+            best_by(view, &[pool[a], pool[b]], by_reserved_work)
+        }
+    }
+}

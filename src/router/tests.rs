@@ -1,0 +1,817 @@
+//! Behaviour of the state machine and the pressure-first policy (DESIGN.md §5), one sentence
+//! per test.
+
+use super::*;
+use crate::hashing::chain_locals;
+use crate::input::{LoadSample, StoredBlock};
+use crate::policy::PolicyKind;
+
+const BLOCK: u32 = 4;
+
+/// A router driven by hand: a clock in milliseconds and a journal sequence.
+struct Fleet {
+    router: Router,
+    seq: u64,
+    now: u64,
+}
+
+fn id(s: &str) -> WorkerId {
+    WorkerId::new(s).unwrap()
+}
+
+/// Engine hashes in tests are the keys themselves, xored so they differ from keys.
+fn engine(key: u64) -> u64 {
+    key ^ 0xE1
+}
+
+impl Fleet {
+    fn new() -> Self {
+        Fleet::with(|_| {})
+    }
+
+    fn with(configure: impl FnOnce(&mut RouterConfig)) -> Self {
+        let mut config = RouterConfig {
+            block_size: BLOCK,
+            ..RouterConfig::default()
+        };
+        configure(&mut config);
+        Fleet {
+            router: Router::new(config),
+            seq: 0,
+            now: 1_000_000,
+        }
+    }
+
+    fn apply(&mut self, input: Input) -> Output {
+        self.seq += 1;
+        self.router.apply(&Stamped {
+            seq: self.seq,
+            at_ms: self.now,
+            input,
+        })
+    }
+
+    fn advance(&mut self, ms: u64) {
+        self.now += ms;
+    }
+
+    /// `worker` reports storing the prompt made of these block locals (a fresh chain).
+    fn store(&mut self, worker: &str, locals: &[u64]) {
+        let keys = chain_locals(locals.iter().copied());
+        let blocks = keys
+            .iter()
+            .zip(locals)
+            .map(|(&k, &local)| StoredBlock {
+                engine_hash: engine(k),
+                local,
+            })
+            .collect();
+        let out = self.apply(Input::KvEvents(KvEventBatch {
+            worker: id(worker),
+            model: None,
+            dp_rank: 0,
+            seq: None,
+            events: vec![KvEvent::Stored {
+                parent: None,
+                blocks,
+                block_size: BLOCK,
+                lora: None,
+                medium: Medium::Gpu,
+            }],
+        }));
+        let Output::Ingested(report) = out else { panic!("{out:?}") };
+        assert!(report.rejections.is_empty(), "{:?}", report.rejections);
+    }
+
+    fn load(&mut self, worker: &str, pressure: f64) {
+        self.apply(Input::Load(LoadSample {
+            worker: id(worker),
+            kv_usage: pressure,
+            running: 1,
+            waiting: 0,
+            max_running: None,
+            model: None,
+        }));
+    }
+
+    fn lifecycle(&mut self, worker: &str, op: LifecycleOp) {
+        self.apply(Input::Lifecycle(Lifecycle {
+            worker: id(worker),
+            op,
+            model: None,
+            block_size: None,
+            capacity_blocks: None,
+        }));
+    }
+
+    fn request(locals: &[u64]) -> RouteRequest {
+        RouteRequest {
+            model: None,
+            lora: None,
+            keys: chain_locals(locals.iter().copied()),
+            prompt_tokens: locals.len() as u64 * BLOCK as u64,
+            max_output_tokens: Some(100),
+            exclude: vec![],
+            request_id: None,
+            explain: false,
+        }
+    }
+
+    fn route_req(&mut self, req: RouteRequest) -> Decision {
+        match self.apply(Input::Route(req)) {
+            Output::Routed(d) => d,
+            other => panic!("expected a decision, got {other:?}"),
+        }
+    }
+
+    fn route(&mut self, locals: &[u64]) -> Decision {
+        self.route_req(Fleet::request(locals))
+    }
+
+    fn route_excluding(&mut self, locals: &[u64], exclude: &[&str]) -> Decision {
+        let mut req = Fleet::request(locals);
+        req.exclude = exclude.iter().map(|w| id(w)).collect();
+        self.route_req(req)
+    }
+
+    fn reserved(&self, worker: &str) -> u64 {
+        let slot = self.router.state.workers.slot_of(&id(worker)).unwrap();
+        self.router.state.workers.get(slot).unwrap().reserved_work
+    }
+}
+
+const PROMPT: [u64; 4] = [11, 12, 13, 14];
+
+fn decided(d: &Decision) -> (&str, DecisionLabel) {
+    (d.worker.as_str(), d.decision)
+}
+
+#[test]
+fn exact_owner_holds_when_another_worker_is_cooler_and_an_unrelated_worker_is_overloaded() {
+    let mut fleet = Fleet::new();
+    fleet.store("owner", &PROMPT);
+    fleet.load("owner", 0.70);
+    fleet.load("cool", 0.05);
+    fleet.load("hot", 0.99);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        decided(&d),
+        ("owner", DecisionLabel::OwnerHold),
+        "a hot unrelated worker and a cooler non-owner never move a request off a usable owner"
+    );
+    assert_eq!(d.matched_blocks, 4);
+    assert_eq!(d.prompt_blocks, 4);
+    assert_eq!(d.owners, vec![id("owner")]);
+}
+
+#[test]
+fn pressured_only_owner_spills_once_and_the_next_request_reuses_the_provisional_owner() {
+    let mut fleet = Fleet::new();
+    fleet.store("owner", &PROMPT);
+    fleet.load("owner", 0.95);
+    for w in ["a", "b", "c"] {
+        fleet.load(w, 0.20);
+    }
+    let first = fleet.route(&PROMPT);
+    assert_eq!(first.decision, DecisionLabel::PressureSpill, "every owner is pressured");
+    assert_ne!(first.worker.as_str(), "owner");
+    // No KV event from the new owner yet: the next request must still find it.
+    fleet.advance(100);
+    let second = fleet.route(&PROMPT);
+    assert_eq!(
+        decided(&second),
+        (first.worker.as_str(), DecisionLabel::OwnerHold),
+        "the second request reuses the one provisional owner instead of creating another"
+    );
+    assert_eq!(second.owners.len(), 2, "owner and provisional owner are both known owners");
+}
+
+#[test]
+fn sequential_prefix_extensions_stay_on_one_owner_despite_request_count_and_reserved_work_imbalance(
+) {
+    let mut fleet = Fleet::new();
+    for w in ["w1", "w2", "w3"] {
+        fleet.load(w, 0.30);
+    }
+    let mut context: Vec<u64> = vec![1, 2];
+    let first = fleet.route(&context);
+    assert_eq!(first.decision, DecisionLabel::ColdMiss);
+    let owner = first.worker.clone();
+    for turn in 0..20u64 {
+        // Each turn re-sends the whole context plus new blocks; nothing is released, so the
+        // owner's request count and reserved work grow far beyond everyone else's.
+        context.extend([100 + 2 * turn, 101 + 2 * turn]);
+        fleet.advance(500);
+        let d = fleet.route(&context);
+        assert_eq!(
+            (&d.worker, d.decision),
+            (&owner, DecisionLabel::OwnerHold),
+            "turn {turn}: a trajectory stays on its owner before KV events arrive"
+        );
+        assert_eq!(d.matched_blocks as usize, context.len() - 2);
+    }
+    assert!(fleet.reserved(owner.as_str()) > 20 * 100, "the owner carries all the reserved work");
+}
+
+#[test]
+fn cached_owners_share_load_by_least_reserved_work_reserved_atomically() {
+    let mut fleet = Fleet::new();
+    for w in ["a", "b", "c"] {
+        fleet.store(w, &PROMPT);
+        fleet.load(w, 0.40);
+    }
+    fleet.load("idle", 0.0);
+    let picks: Vec<String> = (0..6).map(|_| fleet.route(&PROMPT).worker.to_string()).collect();
+    // Each decision reserves its work before the next is decided, so back-to-back requests
+    // rotate over the owners instead of piling onto one.
+    assert_eq!(picks, ["a", "b", "c", "a", "b", "c"], "owners share load by reserved work");
+    for w in ["a", "b", "c"] {
+        assert_eq!(fleet.reserved(w), 2 * (16 + 100), "two requests reserved on {w}");
+    }
+    assert_eq!(fleet.reserved("idle"), 0, "a non-owner gets nothing while owners are usable");
+}
+
+#[test]
+fn release_returns_reserved_work_and_unknown_reservations_are_not_found() {
+    let mut fleet = Fleet::new();
+    fleet.load("a", 0.1);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(fleet.reserved("a"), 16 + 100);
+    let out = fleet.apply(Input::Release {
+        reservation: d.reservation,
+    });
+    assert_eq!(out, Output::Released { found: true });
+    assert_eq!(fleet.reserved("a"), 0, "release gives the work back");
+    let again = fleet.apply(Input::Release {
+        reservation: d.reservation,
+    });
+    assert_eq!(again, Output::Released { found: false }, "a second release finds nothing");
+}
+
+#[test]
+fn reservations_expire_after_their_ttl() {
+    let mut fleet = Fleet::with(|c| c.reservation_ttl_ms = 10_000);
+    fleet.load("a", 0.1);
+    fleet.route(&PROMPT);
+    fleet.advance(9_999);
+    fleet.apply(Input::Tick);
+    assert_eq!(fleet.reserved("a"), 16 + 100, "not yet expired");
+    fleet.advance(1);
+    fleet.load("a", 0.1);
+    assert_eq!(fleet.reserved("a"), 0, "expired reservations give their work back");
+}
+
+#[test]
+fn reserved_work_counts_the_output_estimate_when_no_smaller_maximum_is_given() {
+    let mut fleet = Fleet::with(|c| c.output_estimate = 500);
+    fleet.load("a", 0.1);
+    let mut req = Fleet::request(&PROMPT);
+    req.max_output_tokens = None;
+    fleet.route_req(req.clone());
+    assert_eq!(fleet.reserved("a"), 16 + 500);
+    req.max_output_tokens = Some(10_000);
+    fleet.route_req(req);
+    assert_eq!(fleet.reserved("a"), 2 * (16 + 500), "work is capped by the estimate");
+}
+
+#[test]
+fn the_ceiling_stops_pressure_driven_expansion() {
+    let mut fleet = Fleet::with(|c| {
+        c.policy.max_owners_per_prefix = 2;
+        c.policy.spill_cooldown_ms = 1_000;
+    });
+    fleet.store("o1", &PROMPT);
+    fleet.load("o1", 0.95);
+    for w in ["a", "b", "c"] {
+        fleet.load(w, 0.10);
+    }
+    let spill = fleet.route(&PROMPT);
+    assert_eq!(spill.decision, DecisionLabel::PressureSpill);
+    // The new owner gets hot too; after the cooldown the prefix is at its ceiling of 2.
+    fleet.load(spill.worker.as_str(), 0.97);
+    fleet.advance(2_000);
+    fleet.load("o1", 0.95);
+    for w in ["a", "b", "c"] {
+        if w != spill.worker.as_str() {
+            fleet.load(w, 0.10);
+        }
+    }
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        decided(&d),
+        ("o1", DecisionLabel::CeilingHold),
+        "at the ceiling the router holds on the least-pressured owner instead of spilling"
+    );
+}
+
+#[test]
+fn authoritative_owners_beyond_the_ceiling_are_never_pruned_and_stay_candidates() {
+    let mut fleet = Fleet::with(|c| c.policy.max_owners_per_prefix = 2);
+    let owners = ["o1", "o2", "o3", "o4"];
+    for (i, w) in owners.iter().enumerate() {
+        fleet.store(w, &PROMPT);
+        fleet.load(w, 0.50 + i as f64 * 0.01);
+    }
+    fleet.load("spare", 0.0);
+    let picks: Vec<String> = (0..4).map(|_| fleet.route(&PROMPT).worker.to_string()).collect();
+    let mut sorted = picks.clone();
+    sorted.sort();
+    assert_eq!(sorted, owners, "all four authoritative owners stay in use above a ceiling of 2");
+    let d = fleet.route(&PROMPT);
+    assert_eq!(d.owners.len(), 4, "no authoritative owner is pruned to enforce the ceiling");
+    assert_eq!(fleet.router.index_stats().entries, 16);
+}
+
+#[test]
+fn concurrent_pressure_spills_within_the_cooldown_coalesce() {
+    let mut fleet = Fleet::new();
+    fleet.store("owner", &PROMPT);
+    fleet.load("owner", 0.95);
+    for w in ["a", "b", "c", "d"] {
+        fleet.load(w, 0.10);
+    }
+    let spill = fleet.route(&PROMPT);
+    assert_eq!(spill.decision, DecisionLabel::PressureSpill);
+    // Before the spill target reports anything useful, it is pressured as well: a burst of
+    // requests must not fan out over the rest of the fleet.
+    fleet.load(spill.worker.as_str(), 0.96);
+    for _ in 0..5 {
+        fleet.advance(200);
+        let d = fleet.route(&PROMPT);
+        assert_eq!(
+            decided(&d),
+            ("owner", DecisionLabel::SpillCooldownHold),
+            "within the cooldown no further owner is created; hold on the least-pressured owner"
+        );
+    }
+    fleet.advance(5_000);
+    for w in ["owner", "a", "b", "c", "d"] {
+        let p = if w == "owner" { 0.95 } else { 0.10 };
+        fleet.load(w, p);
+    }
+    fleet.load(spill.worker.as_str(), 0.96);
+    let after = fleet.route(&PROMPT);
+    assert_eq!(after.decision, DecisionLabel::PressureSpill, "after the cooldown a spill may happen");
+}
+
+#[test]
+fn no_safe_spill_destination_holds_on_the_least_pressured_owner() {
+    let mut fleet = Fleet::new();
+    fleet.store("o1", &PROMPT);
+    fleet.store("o2", &PROMPT);
+    fleet.load("o1", 0.97);
+    fleet.load("o2", 0.93);
+    fleet.load("hot", 0.99);
+    fleet.lifecycle("silent", LifecycleOp::Join); // no telemetry: not a safe home
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        decided(&d),
+        ("o2", DecisionLabel::NoSafeHomeHold),
+        "with no fresh worker at or below high water, hold on the least-pressured owner"
+    );
+}
+
+#[test]
+fn missing_or_stale_telemetry_fails_open_to_known_owners() {
+    let mut fleet = Fleet::new();
+    fleet.store("owner", &PROMPT);
+    fleet.load("other", 0.0);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        decided(&d),
+        ("owner", DecisionLabel::OwnerHold),
+        "an owner without telemetry is never pressured"
+    );
+    fleet.load("owner", 0.99);
+    fleet.advance(30_001);
+    fleet.load("other", 0.0);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        decided(&d),
+        ("owner", DecisionLabel::OwnerHold),
+        "telemetry older than telemetry_max_age does not pressure an owner"
+    );
+}
+
+#[test]
+fn excluded_or_draining_owners_fall_back_as_owner_unavailable() {
+    let mut fleet = Fleet::new();
+    fleet.store("owner", &PROMPT);
+    fleet.load("owner", 0.1);
+    fleet.load("other", 0.1);
+    let d = fleet.route_excluding(&PROMPT, &["owner"]);
+    assert_eq!(decided(&d), ("other", DecisionLabel::OwnerUnavailable), "excluded owner");
+    fleet.lifecycle("owner", LifecycleOp::Drain);
+    let d = fleet.route(&[11, 12, 13, 14, 15]);
+    assert_eq!(
+        decided(&d),
+        ("other", DecisionLabel::OwnerHold),
+        "the drained owner is skipped; the earlier fallback's records make `other` an owner"
+    );
+    let d = fleet.route(&[11, 99]);
+    assert_eq!(decided(&d).0, "other");
+    let mut fleet = Fleet::new();
+    fleet.store("owner", &PROMPT);
+    fleet.load("other", 0.1);
+    fleet.lifecycle("owner", LifecycleOp::Drain);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(decided(&d), ("other", DecisionLabel::OwnerUnavailable), "draining owner");
+}
+
+#[test]
+fn removed_owners_lose_their_ownership_and_silent_workers_age_out() {
+    let mut fleet = Fleet::with(|c| c.worker_ttl_ms = 60_000);
+    fleet.store("leaver", &PROMPT);
+    fleet.store("silent", &[1, 2]);
+    fleet.load("other", 0.1);
+    fleet.lifecycle("leaver", LifecycleOp::Leave);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(decided(&d), ("other", DecisionLabel::ColdMiss), "a leave drops all ownership");
+    for _ in 0..61 {
+        fleet.advance(1_000);
+        fleet.load("other", 0.1);
+        fleet.apply(Input::Tick);
+    }
+    let rows: Vec<String> = fleet.router.worker_rows(fleet.now).iter().map(|r| r.id.to_string()).collect();
+    assert_eq!(rows, ["other"], "a worker silent for worker_ttl ages out like a leave");
+    assert!(fleet.router.ownerships().is_empty(), "aged-out workers own nothing");
+}
+
+#[test]
+fn a_restart_gives_every_worker_a_fresh_ttl() {
+    let mut fleet = Fleet::with(|c| c.worker_ttl_ms = 60_000);
+    fleet.store("w", &PROMPT);
+    fleet.advance(3_600_000); // the daemon was down for an hour
+    fleet.apply(Input::Resume);
+    fleet.apply(Input::Tick);
+    assert_eq!(fleet.router.worker_rows(fleet.now).len(), 1, "downtime does not age workers out");
+    fleet.advance(60_001);
+    fleet.apply(Input::Tick);
+    assert!(fleet.router.worker_rows(fleet.now).is_empty(), "but silence after the restart does");
+}
+
+#[test]
+fn no_candidate_is_reported_as_such() {
+    let mut fleet = Fleet::new();
+    assert_eq!(fleet.apply(Input::Route(Fleet::request(&PROMPT))), Output::NoCandidate);
+    fleet.load("only", 0.1);
+    fleet.lifecycle("only", LifecycleOp::Drain);
+    assert_eq!(
+        fleet.apply(Input::Route(Fleet::request(&PROMPT))),
+        Output::NoCandidate,
+        "a fleet of draining workers has no candidate"
+    );
+}
+
+#[test]
+fn cold_misses_prefer_workers_below_high_water() {
+    let mut fleet = Fleet::new();
+    fleet.load("hot1", 0.95);
+    fleet.load("hot2", 0.99);
+    fleet.load("cool", 0.50);
+    for i in 0..10 {
+        let d = fleet.route(&[1000 + i]);
+        assert_eq!(decided(&d), ("cool", DecisionLabel::ColdMiss), "cold misses avoid hot workers");
+    }
+}
+
+#[test]
+fn matches_shorter_than_min_match_blocks_are_cold_misses() {
+    let mut fleet = Fleet::with(|c| c.policy.min_match_blocks = 3);
+    fleet.store("owner", &[1, 2]);
+    fleet.load("owner", 0.1);
+    let d = fleet.route(&[1, 2, 3, 4]);
+    assert_eq!(d.decision, DecisionLabel::ColdMiss, "2 blocks < min_match_blocks 3");
+}
+
+#[test]
+fn the_deepest_owner_wins_over_shallower_ones() {
+    let mut fleet = Fleet::new();
+    fleet.store("shallow", &PROMPT[..2]);
+    fleet.store("deep", &PROMPT);
+    fleet.load("shallow", 0.0);
+    fleet.load("deep", 0.8);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(decided(&d), ("deep", DecisionLabel::OwnerHold));
+    assert_eq!(d.owners, vec![id("deep")], "only candidates at the maximum depth are owners");
+}
+
+#[test]
+fn pressure_is_ranked_only_within_the_owner_set() {
+    // Two owners: one at 0.50, one at 0.65 (within slack 0.10 of best? no: 0.65 > 0.60).
+    let mut fleet = Fleet::new();
+    fleet.store("busy", &PROMPT);
+    fleet.store("calm", &PROMPT);
+    fleet.load("busy", 0.65);
+    fleet.load("calm", 0.50);
+    // Make "calm" carry more reserved work, so only pressure can exclude "busy".
+    for _ in 0..3 {
+        fleet.route_excluding(&PROMPT, &["busy"]);
+    }
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        decided(&d),
+        ("calm", DecisionLabel::OwnerHold),
+        "an owner more than pressure_slack above the best owner is pressured"
+    );
+    fleet.load("busy", 0.59);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        decided(&d),
+        ("busy", DecisionLabel::OwnerHold),
+        "within the slack, the owner with less reserved work wins"
+    );
+}
+
+#[test]
+fn spills_only_choose_fresh_safe_homes() {
+    let mut fleet = Fleet::new();
+    fleet.store("owner", &PROMPT);
+    fleet.load("owner", 0.95);
+    fleet.load("safe", 0.30);
+    fleet.load("hot", 0.95);
+    fleet.lifecycle("unknown-load", LifecycleOp::Join);
+    for i in 0..8 {
+        let mut f = Fleet::new();
+        f.seq = i * 7; // different random draws
+        f.store("owner", &PROMPT);
+        f.load("owner", 0.95);
+        f.load("safe", 0.30);
+        f.load("hot", 0.95);
+        f.lifecycle("unknown-load", LifecycleOp::Join);
+        let d = f.route(&PROMPT);
+        assert_eq!(decided(&d), ("safe", DecisionLabel::PressureSpill), "only a fresh, cool worker is a safe home");
+    }
+}
+
+#[test]
+fn kv_events_with_another_block_size_are_rejected_not_rechunked() {
+    let mut fleet = Fleet::new();
+    let out = fleet.apply(Input::KvEvents(KvEventBatch {
+        worker: id("w"),
+        model: None,
+        dp_rank: 0,
+        seq: None,
+        events: vec![KvEvent::Stored {
+            parent: None,
+            blocks: vec![StoredBlock { engine_hash: 1, local: 2 }],
+            block_size: 16,
+            lora: None,
+            medium: Medium::Gpu,
+        }],
+    }));
+    let Output::Ingested(report) = out else { panic!() };
+    assert_eq!(report.rejections.len(), 1);
+    assert_eq!(report.rejections[0].reason, RejectReason::BlockSizeMismatch);
+    assert!(fleet.router.ownerships().is_empty(), "nothing of a rejected event is indexed");
+}
+
+#[test]
+fn non_gpu_blocks_are_counted_and_not_owned() {
+    let mut fleet = Fleet::new();
+    let out = fleet.apply(Input::KvEvents(KvEventBatch {
+        worker: id("w"),
+        model: None,
+        dp_rank: 0,
+        seq: None,
+        events: vec![KvEvent::Stored {
+            parent: None,
+            blocks: vec![StoredBlock { engine_hash: 1, local: 2 }],
+            block_size: BLOCK,
+            lora: None,
+            medium: Medium::Other,
+        }],
+    }));
+    let Output::Ingested(report) = out else { panic!() };
+    assert_eq!(report.ignored_blocks, 1);
+    assert!(fleet.router.ownerships().is_empty(), "CPU-tier blocks never count as GPU ownership");
+}
+
+#[test]
+fn duplicate_sequences_are_skipped_and_gaps_counted_per_dp_rank() {
+    let mut fleet = Fleet::new();
+    let batch = |seq: u64, rank: u32, local: u64| {
+        Input::KvEvents(KvEventBatch {
+            worker: id("w"),
+            model: None,
+            dp_rank: rank,
+            seq: Some(seq),
+            events: vec![KvEvent::Stored {
+                parent: None,
+                blocks: vec![StoredBlock { engine_hash: local, local }],
+                block_size: BLOCK,
+                lora: None,
+                medium: Medium::Gpu,
+            }],
+        })
+    };
+    let report = |out: Output| match out {
+        Output::Ingested(r) => r,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(report(fleet.apply(batch(1, 0, 1))).stored_blocks, 1);
+    let dup = report(fleet.apply(batch(1, 0, 2)));
+    assert!(dup.duplicate && dup.stored_blocks == 0, "a redelivered sequence is skipped");
+    assert_eq!(report(fleet.apply(batch(1, 1, 3))).stored_blocks, 1, "ranks are independent");
+    let gap = report(fleet.apply(batch(5, 0, 4)));
+    assert_eq!((gap.seq_gap, gap.stored_blocks), (3, 1), "a gap is counted and the batch applied");
+    fleet.lifecycle("w", LifecycleOp::Join);
+    assert_eq!(
+        report(fleet.apply(batch(1, 0, 5))).stored_blocks,
+        1,
+        "a join starts the publisher sequence over"
+    );
+}
+
+#[test]
+fn namespaces_keep_models_and_loras_apart() {
+    let mut fleet = Fleet::new();
+    let out = fleet.apply(Input::KvEvents(KvEventBatch {
+        worker: id("w"),
+        model: Some("llama".into()),
+        dp_rank: 0,
+        seq: None,
+        events: vec![KvEvent::Stored {
+            parent: None,
+            blocks: vec![StoredBlock { engine_hash: 1, local: 11 }],
+            block_size: BLOCK,
+            lora: Some("sql".into()),
+            medium: Medium::Gpu,
+        }],
+    }));
+    assert!(matches!(out, Output::Ingested(_)));
+    fleet.load("other", 0.0);
+    let mut req = Fleet::request(&[11]);
+    assert_eq!(fleet.route_req(req.clone()).decision, DecisionLabel::ColdMiss, "no model");
+    req.model = Some("llama".into());
+    req.lora = Some("sql".into());
+    let d = fleet.route_req(req);
+    assert_eq!(decided(&d), ("w", DecisionLabel::OwnerHold), "same (model, lora)");
+    let rows = fleet.router.worker_rows(fleet.now);
+    assert_eq!(rows[0].models.get("llama"), Some(&1));
+}
+
+#[test]
+fn explain_lists_every_known_worker() {
+    let mut fleet = Fleet::new();
+    fleet.store("owner", &PROMPT);
+    fleet.load("owner", 0.5);
+    fleet.load("other", 0.2);
+    let mut req = Fleet::request(&PROMPT);
+    req.explain = true;
+    let d = fleet.route_req(req);
+    let rows = d.explain.expect("explain requested");
+    let owner = rows.iter().find(|r| r.worker.as_str() == "owner").unwrap();
+    assert_eq!((owner.depth, owner.pressure, owner.telemetry_age_ms), (4, Some(0.5), Some(0)));
+    assert_eq!(rows.len(), 2);
+}
+
+#[test]
+fn legacy_sends_the_next_turn_to_an_uncached_worker_when_an_unrelated_worker_is_hot() {
+    let mut fleet = Fleet::with(|c| c.policy.kind = PolicyKind::Legacy);
+    fleet.load("owner", 0.3);
+    fleet.load("idle", 0.3);
+    fleet.load("hot", 0.99);
+    fleet.store("owner", &PROMPT);
+    fleet.route_excluding(&[99], &["idle", "hot"]); // the owner has one request in flight
+    let d = fleet.route(&[11, 12, 13, 14, 15]);
+    assert_eq!(
+        decided(&d),
+        ("idle", DecisionLabel::PressureSpill),
+        "legacy: a hot unrelated worker breaks affinity (the churn pressure_first removes)"
+    );
+    let mut pf = Fleet::new();
+    pf.load("owner", 0.3);
+    pf.load("idle", 0.3);
+    pf.load("hot", 0.99);
+    pf.store("owner", &PROMPT);
+    pf.route_excluding(&[99], &["idle", "hot"]);
+    assert_eq!(decided(&pf.route(&[11, 12, 13, 14, 15])).0, "owner", "pressure_first holds");
+}
+
+#[test]
+fn legacy_sends_the_next_turn_to_an_uncached_worker_on_a_request_count_spread() {
+    let mut fleet = Fleet::with(|c| c.policy.kind = PolicyKind::Legacy);
+    fleet.load("owner", 0.3);
+    fleet.load("idle", 0.3);
+    fleet.store("owner", &PROMPT);
+    for i in 0..4 {
+        fleet.route_excluding(&[500 + i], &["idle"]);
+    }
+    let d = fleet.route(&[11, 12, 13, 14, 15]);
+    assert_eq!(
+        decided(&d),
+        ("idle", DecisionLabel::PressureSpill),
+        "legacy: a request-count spread beyond balance_abs/balance_rel breaks affinity"
+    );
+}
+
+#[test]
+fn baselines_route_by_their_own_rule() {
+    let mut rr = Fleet::with(|c| c.policy.kind = PolicyKind::RoundRobin);
+    for w in ["a", "b", "c"] {
+        rr.load(w, 0.1);
+    }
+    rr.store("c", &PROMPT);
+    let picks: Vec<String> = (0..4).map(|_| rr.route(&PROMPT).worker.to_string()).collect();
+    assert_eq!(picks, ["a", "b", "c", "a"], "round robin ignores the cache");
+
+    let mut lp = Fleet::with(|c| c.policy.kind = PolicyKind::LongestPrefix);
+    lp.store("owner", &PROMPT);
+    lp.load("owner", 0.99);
+    lp.load("cool", 0.0);
+    for _ in 0..3 {
+        assert_eq!(decided(&lp.route(&PROMPT)), ("owner", DecisionLabel::OwnerHold), "pressure-blind");
+    }
+
+    let mut p2c = Fleet::with(|c| c.policy.kind = PolicyKind::P2c);
+    p2c.store("owner", &PROMPT);
+    p2c.load("owner", 0.1);
+    p2c.load("other", 0.1);
+    let picks: Vec<String> = (0..4).map(|_| p2c.route(&PROMPT).worker.to_string()).collect();
+    assert!(picks.iter().any(|w| w == "other"), "p2c balances reserved work, cache-blind: {picks:?}");
+}
+
+/// A mixed input sequence exercising every kind of input.
+fn scripted_inputs() -> Vec<Stamped> {
+    let mut inputs = Vec::new();
+    let mut seq = 0;
+    let mut push = |at_ms: u64, input: Input| {
+        seq += 1;
+        inputs.push(Stamped { seq, at_ms, input });
+    };
+    let workers = ["w0", "w1", "w2", "w3", "w4"];
+    for step in 0..400u64 {
+        let t = 1_000 + step * 137;
+        let w = workers[(step * 7 % 5) as usize];
+        match step % 6 {
+            0 => push(t, Input::Load(LoadSample {
+                worker: id(w),
+                kv_usage: ((step * 37) % 100) as f64 / 100.0,
+                running: (step % 9) as u32,
+                waiting: (step % 4) as u32,
+                max_running: Some(8),
+                model: None,
+            })),
+            1 | 2 => {
+                let locals: Vec<u64> = (0..(step % 7 + 1)).map(|i| (step / 12) * 10 + i).collect();
+                push(t, Input::Route(Fleet::request(&locals)));
+            }
+            3 => {
+                let locals: Vec<u64> = (0..(step % 5 + 1)).map(|i| (step / 18) * 10 + i).collect();
+                let keys = chain_locals(locals.iter().copied());
+                push(t, Input::KvEvents(KvEventBatch {
+                    worker: id(w),
+                    model: None,
+                    dp_rank: 0,
+                    seq: None,
+                    events: vec![KvEvent::Stored {
+                        parent: None,
+                        blocks: keys.iter().zip(&locals).map(|(&k, &local)| StoredBlock { engine_hash: engine(k), local }).collect(),
+                        block_size: BLOCK,
+                        lora: None,
+                        medium: Medium::Gpu,
+                    }],
+                }));
+            }
+            4 => push(t, Input::Release { reservation: step.saturating_sub(5) }),
+            _ => push(t, Input::Tick),
+        }
+    }
+    inputs
+}
+
+#[test]
+fn applying_the_same_inputs_twice_yields_the_same_decisions_and_state() {
+    let run = || {
+        let mut router = Router::new(RouterConfig { block_size: BLOCK, ..RouterConfig::default() });
+        let outputs: Vec<Output> = scripted_inputs().iter().map(|s| router.apply(s)).collect();
+        let state = rmp_serde::to_vec(router.state()).unwrap();
+        (outputs, state, router.ownerships())
+    };
+    let (out_a, state_a, own_a) = run();
+    let (out_b, state_b, own_b) = run();
+    let decisions = out_a.iter().filter(|o| matches!(o, Output::Routed(_))).count();
+    assert!(decisions > 50, "the script makes decisions ({decisions})");
+    assert_eq!(out_a, out_b, "same inputs, same outputs");
+    assert_eq!(own_a, own_b, "same inputs, same ownership");
+    assert_eq!(state_a, state_b, "same inputs, byte-identical state");
+}
+
+#[test]
+fn state_survives_a_serialization_round_trip() {
+    let inputs = scripted_inputs();
+    let (head, tail) = inputs.split_at(200);
+    let config = RouterConfig { block_size: BLOCK, ..RouterConfig::default() };
+    let mut straight = Router::new(config.clone());
+    let mut restored = Router::new(config.clone());
+    for s in head {
+        straight.apply(s);
+        restored.apply(s);
+    }
+    let bytes = rmp_serde::to_vec(restored.state()).unwrap();
+    let mut restored = Router::from_state(config, rmp_serde::from_slice(&bytes).unwrap());
+    for s in tail {
+        assert_eq!(straight.apply(s), restored.apply(s), "input {} after a snapshot", s.seq);
+    }
+}
