@@ -1,1 +1,201 @@
-fn main(){}
+//! Core benchmarks (issue 2): applying stored events (ns per block), routing a 1,024-block
+//! prompt across 64 workers (ns per decision), and bytes per (block, owner) index entry.
+//!
+//! Run: `cargo bench --bench core`. The memory figure is printed first, from a counting
+//! allocator, as `index_bytes_per_entry`.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use criterion::{criterion_group, BatchSize, Criterion, Throughput};
+use kvrouted::hashing::chain_locals;
+use kvrouted::input::{
+    Input, KvEvent, KvEventBatch, LoadSample, Medium, RouteRequest, Stamped, StoredBlock, WorkerId,
+};
+use kvrouted::router::{Router, RouterConfig};
+
+/// Counts live heap bytes so the index's footprint can be measured exactly.
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        System.alloc(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        System.dealloc(ptr, layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size, Ordering::Relaxed);
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        System.realloc(ptr, layout, new_size)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+const BLOCK: u32 = 16;
+const BATCH_BLOCKS: u64 = 32;
+
+fn worker(i: usize) -> WorkerId {
+    WorkerId::new(&format!("worker-{i}")).unwrap()
+}
+
+/// A stored-event batch: `BATCH_BLOCKS` blocks continuing a worker's chain `chain`.
+fn stored_batch(w: usize, chain: u64, part: u64) -> Input {
+    let base = (chain << 20) | (part * BATCH_BLOCKS);
+    let blocks = (0..BATCH_BLOCKS)
+        .map(|i| StoredBlock {
+            engine_hash: ((w as u64) << 48) | (base + i),
+            local: base + i,
+        })
+        .collect();
+    let parent = (part > 0).then(|| ((w as u64) << 48) | (base - 1));
+    Input::KvEvents(KvEventBatch {
+        worker: worker(w),
+        model: None,
+        dp_rank: 0,
+        seq: None,
+        events: vec![KvEvent::Stored {
+            parent,
+            blocks,
+            block_size: BLOCK,
+            lora: None,
+            medium: Medium::Gpu,
+        }],
+    })
+}
+
+fn stamp(seq: u64, input: Input) -> Stamped {
+    Stamped {
+        seq,
+        at_ms: 1_000_000 + seq,
+        input,
+    }
+}
+
+fn config() -> RouterConfig {
+    RouterConfig {
+        block_size: BLOCK,
+        ..RouterConfig::default()
+    }
+}
+
+/// Live bytes per (block, owner) entry of an index holding `blocks` blocks on each of `owners`
+/// workers (every block owned by all of them) — and of one owner per block.
+fn bytes_per_entry(blocks: u64, owners: usize) -> f64 {
+    let before = LIVE.load(Ordering::Relaxed);
+    let mut router = Router::new(config());
+    let mut seq = 0;
+    for w in 0..owners {
+        for part in 0..blocks / BATCH_BLOCKS {
+            seq += 1;
+            router.apply(&stamp(seq, stored_batch(w, 1, part)));
+        }
+    }
+    // Different workers store the same locals under the same chain: shared blocks.
+    let after = LIVE.load(Ordering::Relaxed);
+    let entries = router.index_stats().entries as f64;
+    let bytes = (after - before) as f64 / entries;
+    drop(router);
+    bytes
+}
+
+fn apply_stored_events(c: &mut Criterion) {
+    let mut group = c.benchmark_group("apply_stored");
+    group.throughput(Throughput::Elements(BATCH_BLOCKS));
+    group.bench_function("32_block_batch_new_blocks", |b| {
+        let mut router = Router::new(config());
+        let mut seq = 0u64;
+        b.iter_batched(
+            || {
+                seq += 1;
+                stamp(seq, stored_batch((seq % 64) as usize, seq, 0))
+            },
+            |input| router.apply(&input),
+            BatchSize::SmallInput,
+        );
+    });
+    group.finish();
+}
+
+fn route_long_prompt(c: &mut Criterion) {
+    let mut router = Router::new(config());
+    let mut seq = 0;
+    // 64 workers, each holding its own 1,024-block conversation; worker 7 also holds the one
+    // we route, so the walk goes the whole depth.
+    for w in 0..64 {
+        for part in 0..1024 / BATCH_BLOCKS {
+            seq += 1;
+            router.apply(&stamp(seq, stored_batch(w, 100 + w as u64, part)));
+        }
+        seq += 1;
+        router.apply(&stamp(
+            seq,
+            Input::Load(LoadSample {
+                worker: worker(w),
+                kv_usage: 0.5,
+                running: 4,
+                waiting: 0,
+                max_running: Some(64),
+                model: None,
+            }),
+        ));
+    }
+    for part in 0..1024 / BATCH_BLOCKS {
+        seq += 1;
+        router.apply(&stamp(seq, stored_batch(7, 1, part)));
+    }
+    let keys = chain_locals((0..1024).map(|i| (1u64 << 20) | i));
+    let request = RouteRequest {
+        model: None,
+        lora: None,
+        keys,
+        prompt_tokens: 1024 * BLOCK as u64,
+        max_output_tokens: Some(256),
+        exclude: vec![],
+        request_id: None,
+        explain: false,
+    };
+    let mut group = c.benchmark_group("route");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("1024_blocks_64_workers", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = std::time::Duration::ZERO;
+            for _ in 0..iters {
+                // Release the previous reservation so reserved work stays bounded (not timed).
+                seq += 1;
+                router.apply(&stamp(
+                    seq,
+                    Input::Release {
+                        reservation: seq - 1,
+                    },
+                ));
+                seq += 1;
+                let input = stamp(seq, Input::Route(request.clone()));
+                let start = std::time::Instant::now();
+                std::hint::black_box(router.apply(&input));
+                timed += start.elapsed();
+            }
+            timed
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, apply_stored_events, route_long_prompt);
+
+fn main() {
+    let single = bytes_per_entry(1 << 20, 1);
+    let shared = bytes_per_entry(1 << 18, 4);
+    println!(
+        "index_bytes_per_entry one_owner_per_block={single:.1} four_owners_per_block={shared:.1}"
+    );
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

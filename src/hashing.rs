@@ -97,7 +97,10 @@ mod tests {
         let a = block_keys(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
         let b = block_keys(&[9, 9, 9, 9, 5, 6, 7, 8], 4);
         assert_eq!(local_hash(&[5, 6, 7, 8]), local_hash(&[5, 6, 7, 8]));
-        assert_ne!(a[1], b[1], "the same block after a different prefix has a different key");
+        assert_ne!(
+            a[1], b[1],
+            "the same block after a different prefix has a different key"
+        );
     }
 
     #[test]

@@ -27,7 +27,9 @@ impl WorkerId {
         if valid_len && valid_chars {
             Ok(WorkerId(Arc::from(id)))
         } else {
-            Err(InvalidWorkerId(id.chars().take(MAX_WORKER_ID_LEN + 8).collect()))
+            Err(InvalidWorkerId(
+                id.chars().take(MAX_WORKER_ID_LEN + 8).collect(),
+            ))
         }
     }
 
@@ -249,7 +251,9 @@ pub enum Input {
     Load(LoadSample),
     Lifecycle(Lifecycle),
     Route(RouteRequest),
-    Release { reservation: u64 },
+    Release {
+        reservation: u64,
+    },
     /// Periodic housekeeping: worker age-out and expiry of reservations and records.
     Tick,
     /// The daemon came back up: every known worker gets a fresh `worker_ttl` to be heard from,

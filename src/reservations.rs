@@ -32,7 +32,14 @@ impl Reservations {
             w.reserved_work += work;
             w.reserved_requests += 1;
         }
-        self.open.insert(id, Reservation { slot, work, expires_ms });
+        self.open.insert(
+            id,
+            Reservation {
+                slot,
+                work,
+                expires_ms,
+            },
+        );
         self.queue.push_back((expires_ms, id));
     }
 

@@ -114,9 +114,13 @@ pub enum Output {
     Routed(Decision),
     /// No candidate worker: HTTP 503.
     NoCandidate,
-    Released { found: bool },
+    Released {
+        found: bool,
+    },
     Tick(TickReport),
-    Resumed { workers: usize },
+    Resumed {
+        workers: usize,
+    },
 }
 
 /// Everything the router knows; what a snapshot holds.
@@ -312,7 +316,11 @@ impl Router {
         }
         let (slot, new_worker) = self.state.workers.touch(&msg.worker, now);
         report.new_worker = new_worker;
-        let worker = self.state.workers.get_mut(slot).expect("touched worker exists");
+        let worker = self
+            .state
+            .workers
+            .get_mut(slot)
+            .expect("touched worker exists");
         match msg.op {
             LifecycleOp::Join => {
                 worker.state = WorkerState::Active;
@@ -371,13 +379,13 @@ impl Router {
         let Some(ns) = ns else {
             return depth;
         };
-        self.state
-            .index
-            .walk(ns, keys, |i, owners| extend_depths(&mut depth, i, owners.iter().copied()));
+        self.state.index.walk(ns, keys, |i, owners| {
+            extend_depths(&mut depth, i, owners.iter().copied())
+        });
         let mut approx = vec![0u32; slots];
-        self.state
-            .approx
-            .walk(ns, keys, now, |i, owners| extend_depths(&mut approx, i, owners));
+        self.state.approx.walk(ns, keys, now, |i, owners| {
+            extend_depths(&mut approx, i, owners)
+        });
         for (d, a) in depth.iter_mut().zip(approx) {
             *d = (*d).max(a);
         }
@@ -408,9 +416,8 @@ impl Router {
                 reserved_requests: w.reserved_requests,
             })
             .collect();
-        let provisional = |prefix: u64| {
-            ns.and_then(|ns| self.state.provisional.get(&(ns, prefix)).copied())
-        };
+        let provisional =
+            |prefix: u64| ns.and_then(|ns| self.state.provisional.get(&(ns, prefix)).copied());
         let view = RouteView {
             now_ms: now,
             keys: &req.keys,
@@ -437,7 +444,11 @@ impl Router {
             views
                 .iter()
                 .map(|v| {
-                    let w = self.state.workers.get(v.slot).expect("viewed worker exists");
+                    let w = self
+                        .state
+                        .workers
+                        .get(v.slot)
+                        .expect("viewed worker exists");
                     ExplainRow {
                         worker: v.id.clone(),
                         candidate: v.candidate,

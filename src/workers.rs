@@ -63,8 +63,7 @@ impl Worker {
     }
 
     pub fn telemetry_age_ms(&self, now_ms: u64) -> Option<u64> {
-        self.telemetry
-            .map(|t| now_ms.saturating_sub(t.received_ms))
+        self.telemetry.map(|t| now_ms.saturating_sub(t.received_ms))
     }
 
     pub fn waiting(&self) -> u32 {
@@ -123,7 +122,10 @@ impl Workers {
     }
 
     pub fn slot_of(&self, id: &WorkerId) -> Option<Slot> {
-        self.by_id.get(id).copied().filter(|&s| self.slots[s as usize].is_some())
+        self.by_id
+            .get(id)
+            .copied()
+            .filter(|&s| self.slots[s as usize].is_some())
     }
 
     pub fn get(&self, slot: Slot) -> Option<&Worker> {

@@ -117,7 +117,10 @@ impl ApproxIndex {
 
     /// Number of live records.
     pub fn len(&self) -> usize {
-        self.blocks.iter().map(|b| b.values().map(|r| r.len()).sum::<usize>()).sum()
+        self.blocks
+            .iter()
+            .map(|b| b.values().map(|r| r.len()).sum::<usize>())
+            .sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -142,8 +145,15 @@ mod tests {
     fn records_expire_after_their_ttl() {
         let mut index = ApproxIndex::new(100);
         index.record(0, &[1, 2], 7, 1_000);
-        assert_eq!(fresh_owners(&index, 1, 999), vec![7], "record is fresh before expiry");
-        assert!(fresh_owners(&index, 1, 1_000).is_empty(), "record is stale at expiry");
+        assert_eq!(
+            fresh_owners(&index, 1, 999),
+            vec![7],
+            "record is fresh before expiry"
+        );
+        assert!(
+            fresh_owners(&index, 1, 1_000).is_empty(),
+            "record is stale at expiry"
+        );
         index.expire(1_000);
         assert!(index.is_empty(), "expired records are dropped");
     }
@@ -154,7 +164,11 @@ mod tests {
         index.record(0, &[1], 7, 1_000);
         index.record(0, &[1], 7, 2_000);
         index.expire(1_500);
-        assert_eq!(fresh_owners(&index, 1, 1_500), vec![7], "refresh extends the record");
+        assert_eq!(
+            fresh_owners(&index, 1, 1_500),
+            vec![7],
+            "refresh extends the record"
+        );
     }
 
     #[test]
@@ -162,7 +176,10 @@ mod tests {
         let mut index = ApproxIndex::new(3);
         index.record(0, &[1, 2, 3, 4], 0, 1_000);
         assert_eq!(index.len(), 3, "never more records than the bound");
-        assert!(fresh_owners(&index, 1, 0).is_empty(), "the oldest record went first");
+        assert!(
+            fresh_owners(&index, 1, 0).is_empty(),
+            "the oldest record went first"
+        );
         assert_eq!(fresh_owners(&index, 4, 0), vec![0]);
     }
 }

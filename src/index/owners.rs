@@ -217,18 +217,32 @@ mod tests {
     fn stored_chain_is_keyed_like_a_prompt() {
         let mut index = OwnerIndex::default();
         let keys = index.store(0, 0, None, &blocks(&[1, 2, 3]));
-        assert_eq!(keys, chain_locals([1, 2, 3]), "event keys must equal prompt keys");
+        assert_eq!(
+            keys,
+            chain_locals([1, 2, 3]),
+            "event keys must equal prompt keys"
+        );
         // A continuation names its parent by engine hash and extends the same chain.
         let more = index.store(0, 0, Some(1003), &blocks(&[4]));
         assert_eq!(more, vec![chain_locals([1, 2, 3, 4])[3]]);
-        assert_eq!(index.stats(), IndexStats { blocks: 4, entries: 4 });
+        assert_eq!(
+            index.stats(),
+            IndexStats {
+                blocks: 4,
+                entries: 4
+            }
+        );
     }
 
     #[test]
     fn unknown_parent_starts_a_new_chain() {
         let mut index = OwnerIndex::default();
         let keys = index.store(0, 0, Some(42), &blocks(&[7]));
-        assert_eq!(keys, vec![7], "a block with an unknown parent is keyed as a chain start");
+        assert_eq!(
+            keys,
+            vec![7],
+            "a block with an unknown parent is keyed as a chain start"
+        );
     }
 
     #[test]
@@ -238,7 +252,10 @@ mod tests {
         index.store(1, 0, None, &blocks(&[1, 2]));
         assert_eq!(index.remove(0, &[1002]), 1);
         let k = chain_locals([1, 2]);
-        assert!(!index.owns(0, k[1], 0), "removed block is no longer owned by worker 0");
+        assert!(
+            !index.owns(0, k[1], 0),
+            "removed block is no longer owned by worker 0"
+        );
         assert!(index.owns(0, k[1], 1), "worker 1 still owns its copy");
         assert_eq!(index.stats().entries, 3);
     }

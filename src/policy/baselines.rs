@@ -26,7 +26,11 @@ fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
     Choice {
         worker,
         label,
-        matched_blocks: if owners.contains(&worker) { depth } else { view.workers[worker].depth },
+        matched_blocks: if owners.contains(&worker) {
+            depth
+        } else {
+            view.workers[worker].depth
+        },
         known_owners: owners,
         spilled_prefix: None,
     }
@@ -50,13 +54,17 @@ pub fn legacy(config: &PolicyConfig, view: &RouteView) -> Option<Choice> {
         return None;
     }
     let least_loaded = best_by(view, &candidates, by_request_count);
-    let counts = candidates.iter().map(|&i| view.workers[i].reserved_requests);
+    let counts = candidates
+        .iter()
+        .map(|&i| view.workers[i].reserved_requests);
     let (min, max) = counts.fold((u32::MAX, 0), |(lo, hi), c| (lo.min(c), hi.max(c)));
     let spread = max - min > config.legacy_balance_abs
         && max as f64 > min as f64 * config.legacy_balance_rel;
-    let overloaded = candidates
-        .iter()
-        .any(|&i| view.workers[i].pressure.is_some_and(|p| p > config.high_water));
+    let overloaded = candidates.iter().any(|&i| {
+        view.workers[i]
+            .pressure
+            .is_some_and(|p| p > config.high_water)
+    });
     if spread || overloaded {
         return Some(labelled(config, view, least_loaded));
     }
@@ -66,7 +74,8 @@ pub fn legacy(config: &PolicyConfig, view: &RouteView) -> Option<Choice> {
     let best_owner = best_by(view, &owners, by_request_count);
     let below_target = owners.len() < config.max_owners_per_prefix;
     let replicate = below_target
-        && view.workers[least_loaded].reserved_requests < view.workers[best_owner].reserved_requests;
+        && view.workers[least_loaded].reserved_requests
+            < view.workers[best_owner].reserved_requests;
     let worker = if replicate { least_loaded } else { best_owner };
     Some(labelled(config, view, worker))
 }

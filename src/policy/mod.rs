@@ -247,7 +247,9 @@ pub(crate) fn owners_unavailable(config: &PolicyConfig, view: &RouteView) -> boo
 }
 
 pub(crate) fn positions(view: &RouteView, keep: impl Fn(&WorkerView) -> bool) -> Vec<usize> {
-    (0..view.workers.len()).filter(|&i| keep(&view.workers[i])).collect()
+    (0..view.workers.len())
+        .filter(|&i| keep(&view.workers[i]))
+        .collect()
 }
 
 /// Orders missing pressure after every known one.

@@ -33,7 +33,11 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
     let provisional = (view.provisional)(prefix)
         .filter(|p| view.now_ms.saturating_sub(p.spilled_ms) < config.spill_cooldown_ms);
     if let Some(p) = provisional {
-        if let Some(pos) = view.workers.iter().position(|w| w.slot == p.slot && w.candidate) {
+        if let Some(pos) = view
+            .workers
+            .iter()
+            .position(|w| w.slot == p.slot && w.candidate)
+        {
             if !known_owners.contains(&pos) {
                 known_owners.push(pos);
             }
@@ -60,7 +64,11 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
         (Some(pressure), Some(limit)) => pressure > limit,
         _ => false,
     };
-    let unpressured: Vec<usize> = known_owners.iter().copied().filter(|&i| !pressured(i)).collect();
+    let unpressured: Vec<usize> = known_owners
+        .iter()
+        .copied()
+        .filter(|&i| !pressured(i))
+        .collect();
     if !unpressured.is_empty() {
         let worker = best_by(view, &unpressured, by_reserved_work);
         return Some(choice(worker, DecisionLabel::OwnerHold, None));
@@ -70,21 +78,36 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
     // 6. At the ceiling the router creates no new owner. (Authoritative owners beyond it are
     //    never pruned: they are all still in `known_owners`.)
     if known_owners.len() >= config.max_owners_per_prefix {
-        return Some(choice(least_pressured_owner, DecisionLabel::CeilingHold, None));
+        return Some(choice(
+            least_pressured_owner,
+            DecisionLabel::CeilingHold,
+            None,
+        ));
     }
 
     // 5. Every owner is pressured and the ceiling is not reached: spill, at most once per
     //    cooldown, and only to a safe home.
     if provisional.is_some() {
         // Concurrent spills coalesce on the one provisional owner already created.
-        return Some(choice(least_pressured_owner, DecisionLabel::SpillCooldownHold, None));
+        return Some(choice(
+            least_pressured_owner,
+            DecisionLabel::SpillCooldownHold,
+            None,
+        ));
     }
     let safe_homes = positions(view, |w| {
         w.candidate && w.pressure.is_some_and(|p| p <= config.high_water)
     });
-    let safe_homes: Vec<usize> = safe_homes.into_iter().filter(|i| !known_owners.contains(i)).collect();
+    let safe_homes: Vec<usize> = safe_homes
+        .into_iter()
+        .filter(|i| !known_owners.contains(i))
+        .collect();
     if safe_homes.is_empty() {
-        return Some(choice(least_pressured_owner, DecisionLabel::NoSafeHomeHold, None));
+        return Some(choice(
+            least_pressured_owner,
+            DecisionLabel::NoSafeHomeHold,
+            None,
+        ));
     }
     let home = power_of_two(view, &safe_homes, rng);
     Some(choice(home, DecisionLabel::PressureSpill, Some(prefix)))
@@ -101,7 +124,11 @@ pub(crate) fn no_owner(
     let cool: Vec<usize> = candidates
         .iter()
         .copied()
-        .filter(|&i| view.workers[i].pressure.is_none_or(|p| p <= config.high_water))
+        .filter(|&i| {
+            view.workers[i]
+                .pressure
+                .is_none_or(|p| p <= config.high_water)
+        })
         .collect();
     let pool = if cool.is_empty() { candidates } else { &cool };
     let worker = power_of_two(view, pool, rng);

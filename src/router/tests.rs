@@ -79,7 +79,9 @@ impl Fleet {
                 medium: Medium::Gpu,
             }],
         }));
-        let Output::Ingested(report) = out else { panic!("{out:?}") };
+        let Output::Ingested(report) = out else {
+            panic!("{out:?}")
+        };
         assert!(report.rejections.is_empty(), "{:?}", report.rejections);
     }
 
@@ -173,7 +175,11 @@ fn pressured_only_owner_spills_once_and_the_next_request_reuses_the_provisional_
         fleet.load(w, 0.20);
     }
     let first = fleet.route(&PROMPT);
-    assert_eq!(first.decision, DecisionLabel::PressureSpill, "every owner is pressured");
+    assert_eq!(
+        first.decision,
+        DecisionLabel::PressureSpill,
+        "every owner is pressured"
+    );
     assert_ne!(first.worker.as_str(), "owner");
     // No KV event from the new owner yet: the next request must still find it.
     fleet.advance(100);
@@ -183,7 +189,11 @@ fn pressured_only_owner_spills_once_and_the_next_request_reuses_the_provisional_
         (first.worker.as_str(), DecisionLabel::OwnerHold),
         "the second request reuses the one provisional owner instead of creating another"
     );
-    assert_eq!(second.owners.len(), 2, "owner and provisional owner are both known owners");
+    assert_eq!(
+        second.owners.len(),
+        2,
+        "owner and provisional owner are both known owners"
+    );
 }
 
 #[test]
@@ -210,7 +220,10 @@ fn sequential_prefix_extensions_stay_on_one_owner_despite_request_count_and_rese
         );
         assert_eq!(d.matched_blocks as usize, context.len() - 2);
     }
-    assert!(fleet.reserved(owner.as_str()) > 20 * 100, "the owner carries all the reserved work");
+    assert!(
+        fleet.reserved(owner.as_str()) > 20 * 100,
+        "the owner carries all the reserved work"
+    );
 }
 
 #[test]
@@ -221,14 +234,28 @@ fn cached_owners_share_load_by_least_reserved_work_reserved_atomically() {
         fleet.load(w, 0.40);
     }
     fleet.load("idle", 0.0);
-    let picks: Vec<String> = (0..6).map(|_| fleet.route(&PROMPT).worker.to_string()).collect();
+    let picks: Vec<String> = (0..6)
+        .map(|_| fleet.route(&PROMPT).worker.to_string())
+        .collect();
     // Each decision reserves its work before the next is decided, so back-to-back requests
     // rotate over the owners instead of piling onto one.
-    assert_eq!(picks, ["a", "b", "c", "a", "b", "c"], "owners share load by reserved work");
+    assert_eq!(
+        picks,
+        ["a", "b", "c", "a", "b", "c"],
+        "owners share load by reserved work"
+    );
     for w in ["a", "b", "c"] {
-        assert_eq!(fleet.reserved(w), 2 * (16 + 100), "two requests reserved on {w}");
+        assert_eq!(
+            fleet.reserved(w),
+            2 * (16 + 100),
+            "two requests reserved on {w}"
+        );
     }
-    assert_eq!(fleet.reserved("idle"), 0, "a non-owner gets nothing while owners are usable");
+    assert_eq!(
+        fleet.reserved("idle"),
+        0,
+        "a non-owner gets nothing while owners are usable"
+    );
 }
 
 #[test]
@@ -245,7 +272,11 @@ fn release_returns_reserved_work_and_unknown_reservations_are_not_found() {
     let again = fleet.apply(Input::Release {
         reservation: d.reservation,
     });
-    assert_eq!(again, Output::Released { found: false }, "a second release finds nothing");
+    assert_eq!(
+        again,
+        Output::Released { found: false },
+        "a second release finds nothing"
+    );
 }
 
 #[test]
@@ -258,7 +289,11 @@ fn reservations_expire_after_their_ttl() {
     assert_eq!(fleet.reserved("a"), 16 + 100, "not yet expired");
     fleet.advance(1);
     fleet.load("a", 0.1);
-    assert_eq!(fleet.reserved("a"), 0, "expired reservations give their work back");
+    assert_eq!(
+        fleet.reserved("a"),
+        0,
+        "expired reservations give their work back"
+    );
 }
 
 #[test]
@@ -271,7 +306,11 @@ fn reserved_work_counts_the_output_estimate_when_no_smaller_maximum_is_given() {
     assert_eq!(fleet.reserved("a"), 16 + 500);
     req.max_output_tokens = Some(10_000);
     fleet.route_req(req);
-    assert_eq!(fleet.reserved("a"), 2 * (16 + 500), "work is capped by the estimate");
+    assert_eq!(
+        fleet.reserved("a"),
+        2 * (16 + 500),
+        "work is capped by the estimate"
+    );
 }
 
 #[test]
@@ -313,12 +352,21 @@ fn authoritative_owners_beyond_the_ceiling_are_never_pruned_and_stay_candidates(
         fleet.load(w, 0.50 + i as f64 * 0.01);
     }
     fleet.load("spare", 0.0);
-    let picks: Vec<String> = (0..4).map(|_| fleet.route(&PROMPT).worker.to_string()).collect();
+    let picks: Vec<String> = (0..4)
+        .map(|_| fleet.route(&PROMPT).worker.to_string())
+        .collect();
     let mut sorted = picks.clone();
     sorted.sort();
-    assert_eq!(sorted, owners, "all four authoritative owners stay in use above a ceiling of 2");
+    assert_eq!(
+        sorted, owners,
+        "all four authoritative owners stay in use above a ceiling of 2"
+    );
     let d = fleet.route(&PROMPT);
-    assert_eq!(d.owners.len(), 4, "no authoritative owner is pruned to enforce the ceiling");
+    assert_eq!(
+        d.owners.len(),
+        4,
+        "no authoritative owner is pruned to enforce the ceiling"
+    );
     assert_eq!(fleet.router.index_stats().entries, 16);
 }
 
@@ -351,7 +399,11 @@ fn concurrent_pressure_spills_within_the_cooldown_coalesce() {
     }
     fleet.load(spill.worker.as_str(), 0.96);
     let after = fleet.route(&PROMPT);
-    assert_eq!(after.decision, DecisionLabel::PressureSpill, "after the cooldown a spill may happen");
+    assert_eq!(
+        after.decision,
+        DecisionLabel::PressureSpill,
+        "after the cooldown a spill may happen"
+    );
 }
 
 #[test]
@@ -400,7 +452,11 @@ fn excluded_or_draining_owners_fall_back_as_owner_unavailable() {
     fleet.load("owner", 0.1);
     fleet.load("other", 0.1);
     let d = fleet.route_excluding(&PROMPT, &["owner"]);
-    assert_eq!(decided(&d), ("other", DecisionLabel::OwnerUnavailable), "excluded owner");
+    assert_eq!(
+        decided(&d),
+        ("other", DecisionLabel::OwnerUnavailable),
+        "excluded owner"
+    );
     fleet.lifecycle("owner", LifecycleOp::Drain);
     let d = fleet.route(&[11, 12, 13, 14, 15]);
     assert_eq!(
@@ -415,7 +471,11 @@ fn excluded_or_draining_owners_fall_back_as_owner_unavailable() {
     fleet.load("other", 0.1);
     fleet.lifecycle("owner", LifecycleOp::Drain);
     let d = fleet.route(&PROMPT);
-    assert_eq!(decided(&d), ("other", DecisionLabel::OwnerUnavailable), "draining owner");
+    assert_eq!(
+        decided(&d),
+        ("other", DecisionLabel::OwnerUnavailable),
+        "draining owner"
+    );
 }
 
 #[test]
@@ -426,15 +486,31 @@ fn removed_owners_lose_their_ownership_and_silent_workers_age_out() {
     fleet.load("other", 0.1);
     fleet.lifecycle("leaver", LifecycleOp::Leave);
     let d = fleet.route(&PROMPT);
-    assert_eq!(decided(&d), ("other", DecisionLabel::ColdMiss), "a leave drops all ownership");
+    assert_eq!(
+        decided(&d),
+        ("other", DecisionLabel::ColdMiss),
+        "a leave drops all ownership"
+    );
     for _ in 0..61 {
         fleet.advance(1_000);
         fleet.load("other", 0.1);
         fleet.apply(Input::Tick);
     }
-    let rows: Vec<String> = fleet.router.worker_rows(fleet.now).iter().map(|r| r.id.to_string()).collect();
-    assert_eq!(rows, ["other"], "a worker silent for worker_ttl ages out like a leave");
-    assert!(fleet.router.ownerships().is_empty(), "aged-out workers own nothing");
+    let rows: Vec<String> = fleet
+        .router
+        .worker_rows(fleet.now)
+        .iter()
+        .map(|r| r.id.to_string())
+        .collect();
+    assert_eq!(
+        rows,
+        ["other"],
+        "a worker silent for worker_ttl ages out like a leave"
+    );
+    assert!(
+        fleet.router.ownerships().is_empty(),
+        "aged-out workers own nothing"
+    );
 }
 
 #[test]
@@ -444,16 +520,26 @@ fn a_restart_gives_every_worker_a_fresh_ttl() {
     fleet.advance(3_600_000); // the daemon was down for an hour
     fleet.apply(Input::Resume);
     fleet.apply(Input::Tick);
-    assert_eq!(fleet.router.worker_rows(fleet.now).len(), 1, "downtime does not age workers out");
+    assert_eq!(
+        fleet.router.worker_rows(fleet.now).len(),
+        1,
+        "downtime does not age workers out"
+    );
     fleet.advance(60_001);
     fleet.apply(Input::Tick);
-    assert!(fleet.router.worker_rows(fleet.now).is_empty(), "but silence after the restart does");
+    assert!(
+        fleet.router.worker_rows(fleet.now).is_empty(),
+        "but silence after the restart does"
+    );
 }
 
 #[test]
 fn no_candidate_is_reported_as_such() {
     let mut fleet = Fleet::new();
-    assert_eq!(fleet.apply(Input::Route(Fleet::request(&PROMPT))), Output::NoCandidate);
+    assert_eq!(
+        fleet.apply(Input::Route(Fleet::request(&PROMPT))),
+        Output::NoCandidate
+    );
     fleet.load("only", 0.1);
     fleet.lifecycle("only", LifecycleOp::Drain);
     assert_eq!(
@@ -471,7 +557,11 @@ fn cold_misses_prefer_workers_below_high_water() {
     fleet.load("cool", 0.50);
     for i in 0..10 {
         let d = fleet.route(&[1000 + i]);
-        assert_eq!(decided(&d), ("cool", DecisionLabel::ColdMiss), "cold misses avoid hot workers");
+        assert_eq!(
+            decided(&d),
+            ("cool", DecisionLabel::ColdMiss),
+            "cold misses avoid hot workers"
+        );
     }
 }
 
@@ -481,7 +571,11 @@ fn matches_shorter_than_min_match_blocks_are_cold_misses() {
     fleet.store("owner", &[1, 2]);
     fleet.load("owner", 0.1);
     let d = fleet.route(&[1, 2, 3, 4]);
-    assert_eq!(d.decision, DecisionLabel::ColdMiss, "2 blocks < min_match_blocks 3");
+    assert_eq!(
+        d.decision,
+        DecisionLabel::ColdMiss,
+        "2 blocks < min_match_blocks 3"
+    );
 }
 
 #[test]
@@ -493,7 +587,11 @@ fn the_deepest_owner_wins_over_shallower_ones() {
     fleet.load("deep", 0.8);
     let d = fleet.route(&PROMPT);
     assert_eq!(decided(&d), ("deep", DecisionLabel::OwnerHold));
-    assert_eq!(d.owners, vec![id("deep")], "only candidates at the maximum depth are owners");
+    assert_eq!(
+        d.owners,
+        vec![id("deep")],
+        "only candidates at the maximum depth are owners"
+    );
 }
 
 #[test]
@@ -540,7 +638,11 @@ fn spills_only_choose_fresh_safe_homes() {
         f.load("hot", 0.95);
         f.lifecycle("unknown-load", LifecycleOp::Join);
         let d = f.route(&PROMPT);
-        assert_eq!(decided(&d), ("safe", DecisionLabel::PressureSpill), "only a fresh, cool worker is a safe home");
+        assert_eq!(
+            decided(&d),
+            ("safe", DecisionLabel::PressureSpill),
+            "only a fresh, cool worker is a safe home"
+        );
     }
 }
 
@@ -554,16 +656,24 @@ fn kv_events_with_another_block_size_are_rejected_not_rechunked() {
         seq: None,
         events: vec![KvEvent::Stored {
             parent: None,
-            blocks: vec![StoredBlock { engine_hash: 1, local: 2 }],
+            blocks: vec![StoredBlock {
+                engine_hash: 1,
+                local: 2,
+            }],
             block_size: 16,
             lora: None,
             medium: Medium::Gpu,
         }],
     }));
-    let Output::Ingested(report) = out else { panic!() };
+    let Output::Ingested(report) = out else {
+        panic!()
+    };
     assert_eq!(report.rejections.len(), 1);
     assert_eq!(report.rejections[0].reason, RejectReason::BlockSizeMismatch);
-    assert!(fleet.router.ownerships().is_empty(), "nothing of a rejected event is indexed");
+    assert!(
+        fleet.router.ownerships().is_empty(),
+        "nothing of a rejected event is indexed"
+    );
 }
 
 #[test]
@@ -576,15 +686,23 @@ fn non_gpu_blocks_are_counted_and_not_owned() {
         seq: None,
         events: vec![KvEvent::Stored {
             parent: None,
-            blocks: vec![StoredBlock { engine_hash: 1, local: 2 }],
+            blocks: vec![StoredBlock {
+                engine_hash: 1,
+                local: 2,
+            }],
             block_size: BLOCK,
             lora: None,
             medium: Medium::Other,
         }],
     }));
-    let Output::Ingested(report) = out else { panic!() };
+    let Output::Ingested(report) = out else {
+        panic!()
+    };
     assert_eq!(report.ignored_blocks, 1);
-    assert!(fleet.router.ownerships().is_empty(), "CPU-tier blocks never count as GPU ownership");
+    assert!(
+        fleet.router.ownerships().is_empty(),
+        "CPU-tier blocks never count as GPU ownership"
+    );
 }
 
 #[test]
@@ -598,7 +716,10 @@ fn duplicate_sequences_are_skipped_and_gaps_counted_per_dp_rank() {
             seq: Some(seq),
             events: vec![KvEvent::Stored {
                 parent: None,
-                blocks: vec![StoredBlock { engine_hash: local, local }],
+                blocks: vec![StoredBlock {
+                    engine_hash: local,
+                    local,
+                }],
                 block_size: BLOCK,
                 lora: None,
                 medium: Medium::Gpu,
@@ -611,10 +732,21 @@ fn duplicate_sequences_are_skipped_and_gaps_counted_per_dp_rank() {
     };
     assert_eq!(report(fleet.apply(batch(1, 0, 1))).stored_blocks, 1);
     let dup = report(fleet.apply(batch(1, 0, 2)));
-    assert!(dup.duplicate && dup.stored_blocks == 0, "a redelivered sequence is skipped");
-    assert_eq!(report(fleet.apply(batch(1, 1, 3))).stored_blocks, 1, "ranks are independent");
+    assert!(
+        dup.duplicate && dup.stored_blocks == 0,
+        "a redelivered sequence is skipped"
+    );
+    assert_eq!(
+        report(fleet.apply(batch(1, 1, 3))).stored_blocks,
+        1,
+        "ranks are independent"
+    );
     let gap = report(fleet.apply(batch(5, 0, 4)));
-    assert_eq!((gap.seq_gap, gap.stored_blocks), (3, 1), "a gap is counted and the batch applied");
+    assert_eq!(
+        (gap.seq_gap, gap.stored_blocks),
+        (3, 1),
+        "a gap is counted and the batch applied"
+    );
     fleet.lifecycle("w", LifecycleOp::Join);
     assert_eq!(
         report(fleet.apply(batch(1, 0, 5))).stored_blocks,
@@ -633,7 +765,10 @@ fn namespaces_keep_models_and_loras_apart() {
         seq: None,
         events: vec![KvEvent::Stored {
             parent: None,
-            blocks: vec![StoredBlock { engine_hash: 1, local: 11 }],
+            blocks: vec![StoredBlock {
+                engine_hash: 1,
+                local: 11,
+            }],
             block_size: BLOCK,
             lora: Some("sql".into()),
             medium: Medium::Gpu,
@@ -642,11 +777,19 @@ fn namespaces_keep_models_and_loras_apart() {
     assert!(matches!(out, Output::Ingested(_)));
     fleet.load("other", 0.0);
     let mut req = Fleet::request(&[11]);
-    assert_eq!(fleet.route_req(req.clone()).decision, DecisionLabel::ColdMiss, "no model");
+    assert_eq!(
+        fleet.route_req(req.clone()).decision,
+        DecisionLabel::ColdMiss,
+        "no model"
+    );
     req.model = Some("llama".into());
     req.lora = Some("sql".into());
     let d = fleet.route_req(req);
-    assert_eq!(decided(&d), ("w", DecisionLabel::OwnerHold), "same (model, lora)");
+    assert_eq!(
+        decided(&d),
+        ("w", DecisionLabel::OwnerHold),
+        "same (model, lora)"
+    );
     let rows = fleet.router.worker_rows(fleet.now);
     assert_eq!(rows[0].models.get("llama"), Some(&1));
 }
@@ -662,7 +805,10 @@ fn explain_lists_every_known_worker() {
     let d = fleet.route_req(req);
     let rows = d.explain.expect("explain requested");
     let owner = rows.iter().find(|r| r.worker.as_str() == "owner").unwrap();
-    assert_eq!((owner.depth, owner.pressure, owner.telemetry_age_ms), (4, Some(0.5), Some(0)));
+    assert_eq!(
+        (owner.depth, owner.pressure, owner.telemetry_age_ms),
+        (4, Some(0.5), Some(0))
+    );
     assert_eq!(rows.len(), 2);
 }
 
@@ -686,7 +832,11 @@ fn legacy_sends_the_next_turn_to_an_uncached_worker_when_an_unrelated_worker_is_
     pf.load("hot", 0.99);
     pf.store("owner", &PROMPT);
     pf.route_excluding(&[99], &["idle", "hot"]);
-    assert_eq!(decided(&pf.route(&[11, 12, 13, 14, 15])).0, "owner", "pressure_first holds");
+    assert_eq!(
+        decided(&pf.route(&[11, 12, 13, 14, 15])).0,
+        "owner",
+        "pressure_first holds"
+    );
 }
 
 #[test]
@@ -713,7 +863,9 @@ fn baselines_route_by_their_own_rule() {
         rr.load(w, 0.1);
     }
     rr.store("c", &PROMPT);
-    let picks: Vec<String> = (0..4).map(|_| rr.route(&PROMPT).worker.to_string()).collect();
+    let picks: Vec<String> = (0..4)
+        .map(|_| rr.route(&PROMPT).worker.to_string())
+        .collect();
     assert_eq!(picks, ["a", "b", "c", "a"], "round robin ignores the cache");
 
     let mut lp = Fleet::with(|c| c.policy.kind = PolicyKind::LongestPrefix);
@@ -721,15 +873,24 @@ fn baselines_route_by_their_own_rule() {
     lp.load("owner", 0.99);
     lp.load("cool", 0.0);
     for _ in 0..3 {
-        assert_eq!(decided(&lp.route(&PROMPT)), ("owner", DecisionLabel::OwnerHold), "pressure-blind");
+        assert_eq!(
+            decided(&lp.route(&PROMPT)),
+            ("owner", DecisionLabel::OwnerHold),
+            "pressure-blind"
+        );
     }
 
     let mut p2c = Fleet::with(|c| c.policy.kind = PolicyKind::P2c);
     p2c.store("owner", &PROMPT);
     p2c.load("owner", 0.1);
     p2c.load("other", 0.1);
-    let picks: Vec<String> = (0..4).map(|_| p2c.route(&PROMPT).worker.to_string()).collect();
-    assert!(picks.iter().any(|w| w == "other"), "p2c balances reserved work, cache-blind: {picks:?}");
+    let picks: Vec<String> = (0..4)
+        .map(|_| p2c.route(&PROMPT).worker.to_string())
+        .collect();
+    assert!(
+        picks.iter().any(|w| w == "other"),
+        "p2c balances reserved work, cache-blind: {picks:?}"
+    );
 }
 
 /// A mixed input sequence exercising every kind of input.
@@ -745,14 +906,17 @@ fn scripted_inputs() -> Vec<Stamped> {
         let t = 1_000 + step * 137;
         let w = workers[(step * 7 % 5) as usize];
         match step % 6 {
-            0 => push(t, Input::Load(LoadSample {
-                worker: id(w),
-                kv_usage: ((step * 37) % 100) as f64 / 100.0,
-                running: (step % 9) as u32,
-                waiting: (step % 4) as u32,
-                max_running: Some(8),
-                model: None,
-            })),
+            0 => push(
+                t,
+                Input::Load(LoadSample {
+                    worker: id(w),
+                    kv_usage: ((step * 37) % 100) as f64 / 100.0,
+                    running: (step % 9) as u32,
+                    waiting: (step % 4) as u32,
+                    max_running: Some(8),
+                    model: None,
+                }),
+            ),
             1 | 2 => {
                 let locals: Vec<u64> = (0..(step % 7 + 1)).map(|i| (step / 12) * 10 + i).collect();
                 push(t, Input::Route(Fleet::request(&locals)));
@@ -760,21 +924,36 @@ fn scripted_inputs() -> Vec<Stamped> {
             3 => {
                 let locals: Vec<u64> = (0..(step % 5 + 1)).map(|i| (step / 18) * 10 + i).collect();
                 let keys = chain_locals(locals.iter().copied());
-                push(t, Input::KvEvents(KvEventBatch {
-                    worker: id(w),
-                    model: None,
-                    dp_rank: 0,
-                    seq: None,
-                    events: vec![KvEvent::Stored {
-                        parent: None,
-                        blocks: keys.iter().zip(&locals).map(|(&k, &local)| StoredBlock { engine_hash: engine(k), local }).collect(),
-                        block_size: BLOCK,
-                        lora: None,
-                        medium: Medium::Gpu,
-                    }],
-                }));
+                push(
+                    t,
+                    Input::KvEvents(KvEventBatch {
+                        worker: id(w),
+                        model: None,
+                        dp_rank: 0,
+                        seq: None,
+                        events: vec![KvEvent::Stored {
+                            parent: None,
+                            blocks: keys
+                                .iter()
+                                .zip(&locals)
+                                .map(|(&k, &local)| StoredBlock {
+                                    engine_hash: engine(k),
+                                    local,
+                                })
+                                .collect(),
+                            block_size: BLOCK,
+                            lora: None,
+                            medium: Medium::Gpu,
+                        }],
+                    }),
+                );
             }
-            4 => push(t, Input::Release { reservation: step.saturating_sub(5) }),
+            4 => push(
+                t,
+                Input::Release {
+                    reservation: step.saturating_sub(5),
+                },
+            ),
             _ => push(t, Input::Tick),
         }
     }
@@ -784,14 +963,20 @@ fn scripted_inputs() -> Vec<Stamped> {
 #[test]
 fn applying_the_same_inputs_twice_yields_the_same_decisions_and_state() {
     let run = || {
-        let mut router = Router::new(RouterConfig { block_size: BLOCK, ..RouterConfig::default() });
+        let mut router = Router::new(RouterConfig {
+            block_size: BLOCK,
+            ..RouterConfig::default()
+        });
         let outputs: Vec<Output> = scripted_inputs().iter().map(|s| router.apply(s)).collect();
         let state = rmp_serde::to_vec(router.state()).unwrap();
         (outputs, state, router.ownerships())
     };
     let (out_a, state_a, own_a) = run();
     let (out_b, state_b, own_b) = run();
-    let decisions = out_a.iter().filter(|o| matches!(o, Output::Routed(_))).count();
+    let decisions = out_a
+        .iter()
+        .filter(|o| matches!(o, Output::Routed(_)))
+        .count();
     assert!(decisions > 50, "the script makes decisions ({decisions})");
     assert_eq!(out_a, out_b, "same inputs, same outputs");
     assert_eq!(own_a, own_b, "same inputs, same ownership");
@@ -802,7 +987,10 @@ fn applying_the_same_inputs_twice_yields_the_same_decisions_and_state() {
 fn state_survives_a_serialization_round_trip() {
     let inputs = scripted_inputs();
     let (head, tail) = inputs.split_at(200);
-    let config = RouterConfig { block_size: BLOCK, ..RouterConfig::default() };
+    let config = RouterConfig {
+        block_size: BLOCK,
+        ..RouterConfig::default()
+    };
     let mut straight = Router::new(config.clone());
     let mut restored = Router::new(config.clone());
     for s in head {
@@ -812,6 +1000,11 @@ fn state_survives_a_serialization_round_trip() {
     let bytes = rmp_serde::to_vec(restored.state()).unwrap();
     let mut restored = Router::from_state(config, rmp_serde::from_slice(&bytes).unwrap());
     for s in tail {
-        assert_eq!(straight.apply(s), restored.apply(s), "input {} after a snapshot", s.seq);
+        assert_eq!(
+            straight.apply(s),
+            restored.apply(s),
+            "input {} after a snapshot",
+            s.seq
+        );
     }
 }

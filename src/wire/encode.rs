@@ -1,0 +1,143 @@
+//! Encoders: the publishing side of the wire contract, used by the simulator, the bridge and the
+//! integration tests to put on NATS exactly what a vLLM worker would.
+//!
+//! KV event batches are byte-for-byte what msgspec writes for vLLM's structs (declared with
+//! `array_like=True, tag=True, omit_defaults=True`). msgspec ignores `omit_defaults` for
+//! array-like structs, so every declared field is written, `None` as nil: a batch is always
+//! `[ts, events, data_parallel_rank]` and a `BlockStored` always has its nine fields. The
+//! fixtures in `tests/fixtures/kv_events/` (written by msgspec) pin this down.
+
+use rmpv::Value;
+
+use crate::input::LifecycleOp;
+
+/// One KV cache event as vLLM declares it (`vllm/distributed/kv_events.py`). `extra_keys` and
+/// `group_idx` are always written as nil: kvrouted never reads them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum VllmEvent {
+    BlockStored {
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<i64>,
+        medium: Option<String>,
+        lora_name: Option<String>,
+    },
+    BlockRemoved {
+        block_hashes: Vec<u64>,
+        medium: Option<String>,
+    },
+    AllBlocksCleared,
+}
+
+/// A vLLM `KVEventBatch`: `[ts, events, data_parallel_rank]`, hashes as unsigned integers.
+pub fn encode_vllm_batch(ts: f64, events: &[VllmEvent], dp_rank: Option<u32>) -> Vec<u8> {
+    let batch = Value::Array(vec![
+        Value::F64(ts),
+        Value::Array(events.iter().map(event_value).collect()),
+        opt(dp_rank.map(Value::from)),
+    ]);
+    to_bytes(&batch)
+}
+
+/// A load sample (DESIGN.md §3.2) as a map: `kv_usage, running, waiting, [max_running], ts,
+/// [model]`; absent optionals are left out.
+pub fn encode_load(
+    kv_usage: f64,
+    running: u32,
+    waiting: u32,
+    max_running: Option<u32>,
+    ts: f64,
+    model: Option<&str>,
+) -> Vec<u8> {
+    let mut map = vec![
+        (Value::from("kv_usage"), Value::F64(kv_usage)),
+        (Value::from("running"), Value::from(running)),
+        (Value::from("waiting"), Value::from(waiting)),
+    ];
+    if let Some(max) = max_running {
+        map.push((Value::from("max_running"), Value::from(max)));
+    }
+    map.push((Value::from("ts"), Value::F64(ts)));
+    if let Some(model) = model {
+        map.push((Value::from("model"), Value::from(model)));
+    }
+    to_bytes(&Value::Map(map))
+}
+
+/// A lifecycle message (DESIGN.md §3.3) as a map: `op, [model], [block_size],
+/// [capacity_blocks]`; absent optionals are left out.
+pub fn encode_lifecycle(
+    op: LifecycleOp,
+    model: Option<&str>,
+    block_size: Option<u32>,
+    capacity_blocks: Option<u64>,
+) -> Vec<u8> {
+    let op = match op {
+        LifecycleOp::Join => "join",
+        LifecycleOp::Drain => "drain",
+        LifecycleOp::Leave => "leave",
+    };
+    let mut map = vec![(Value::from("op"), Value::from(op))];
+    if let Some(model) = model {
+        map.push((Value::from("model"), Value::from(model)));
+    }
+    if let Some(bs) = block_size {
+        map.push((Value::from("block_size"), Value::from(bs)));
+    }
+    if let Some(cap) = capacity_blocks {
+        map.push((Value::from("capacity_blocks"), Value::from(cap)));
+    }
+    to_bytes(&Value::Map(map))
+}
+
+fn event_value(event: &VllmEvent) -> Value {
+    match event {
+        VllmEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+        } => Value::Array(vec![
+            Value::from("BlockStored"),
+            hashes(block_hashes),
+            opt(parent_block_hash.map(Value::from)),
+            Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
+            Value::from(*block_size),
+            opt(lora_id.map(Value::from)),
+            opt(medium.as_deref().map(Value::from)),
+            opt(lora_name.as_deref().map(Value::from)),
+            Value::Nil, // extra_keys
+            Value::Nil, // group_idx
+        ]),
+        VllmEvent::BlockRemoved {
+            block_hashes,
+            medium,
+        } => Value::Array(vec![
+            Value::from("BlockRemoved"),
+            hashes(block_hashes),
+            opt(medium.as_deref().map(Value::from)),
+            Value::Nil, // group_idx
+        ]),
+        VllmEvent::AllBlocksCleared => Value::Array(vec![Value::from("AllBlocksCleared")]),
+    }
+}
+
+fn hashes(hashes: &[u64]) -> Value {
+    Value::Array(hashes.iter().map(|&h| Value::from(h)).collect())
+}
+
+fn opt(v: Option<Value>) -> Value {
+    v.unwrap_or(Value::Nil)
+}
+
+fn to_bytes(value: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    // Writing into a Vec cannot fail (it only grows), so there is no error to surface.
+    rmpv::encode::write_value(&mut out, value).expect("MessagePack encoding into a Vec");
+    out
+}

@@ -1,0 +1,109 @@
+//! Load samples (DESIGN.md §3.2): `kv.load.<worker>`.
+//!
+//! A map `{kv_usage, running, waiting, max_running?, ts?, model?}`. Unknown keys are ignored so
+//! workers can add their own telemetry; nil counts as absent for the optional fields.
+//!
+//! Values feed the pressure the policy compares against its limits, so a sample that is NaN,
+//! infinite or out of range is rejected (`InvalidLoadValue`) rather than clamped: a clamped
+//! value would look like healthy telemetry and pull or push traffic for no real reason.
+
+use rmpv::ValueRef;
+
+use super::value::{as_number, as_str, got, kind, map_get, present, read_single};
+use crate::input::{LoadSample, RejectReason, Rejection, WorkerId};
+
+/// Decodes and validates a `kv.load.<worker>` payload.
+///
+/// `kv_usage` must be a finite number in 0..=1 (an integer 0 or 1 is fine); `running`,
+/// `waiting` and `max_running` non-negative integers fitting u32; `ts` (the worker's clock,
+/// informational: staleness is judged by the daemon's receive time) a finite number;
+/// `model` a string (empty means none). Wrong types and missing required keys are
+/// `InvalidField`; non-finite or out-of-range values are `InvalidLoadValue`.
+pub fn decode_load(payload: &[u8], worker: WorkerId) -> Result<LoadSample, Rejection> {
+    let root = read_single(payload, "load sample")?;
+    let ValueRef::Map(entries) = &root else {
+        return Err(Rejection::new(
+            RejectReason::MalformedPayload,
+            format!("load sample: expected a map, got {}", kind(&root)),
+        ));
+    };
+
+    let kv_usage = required(entries, "kv_usage")?;
+    let kv_usage = match as_number(kv_usage) {
+        Some(u) if u.is_finite() && (0.0..=1.0).contains(&u) => u,
+        Some(u) => {
+            return Err(out_of_range(
+                "kv_usage",
+                "a finite number in 0..=1",
+                &u.to_string(),
+            ))
+        }
+        None => return Err(wrong_type("kv_usage", "a number", kv_usage)),
+    };
+    let running = count(required(entries, "running")?, "running")?;
+    let waiting = count(required(entries, "waiting")?, "waiting")?;
+    let max_running = present(map_get(entries, "max_running"))
+        .map(|v| count(v, "max_running"))
+        .transpose()?;
+    if let Some(ts) = present(map_get(entries, "ts")) {
+        match as_number(ts) {
+            Some(t) if t.is_finite() => {}
+            Some(t) => return Err(out_of_range("ts", "a finite number", &t.to_string())),
+            None => return Err(wrong_type("ts", "a number", ts)),
+        }
+    }
+    let model = match present(map_get(entries, "model")) {
+        None => None,
+        Some(v) => match as_str(v) {
+            Some(m) => Some(m).filter(|m| !m.is_empty()).map(str::to_owned),
+            None => return Err(wrong_type("model", "a string", v)),
+        },
+    };
+
+    Ok(LoadSample {
+        worker,
+        kv_usage,
+        running,
+        waiting,
+        max_running,
+        model,
+    })
+}
+
+fn required<'v, 'a>(
+    entries: &'v [(ValueRef<'a>, ValueRef<'a>)],
+    field: &str,
+) -> Result<&'v ValueRef<'a>, Rejection> {
+    present(map_get(entries, field)).ok_or_else(|| {
+        Rejection::new(
+            RejectReason::InvalidField,
+            format!("LoadSample.{field}: missing required field"),
+        )
+    })
+}
+
+/// A non-negative integer fitting u32: other kinds are the wrong type, other integers are out
+/// of range.
+fn count(v: &ValueRef<'_>, field: &str) -> Result<u32, Rejection> {
+    match v {
+        ValueRef::Integer(i) => i
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| out_of_range(field, "a non-negative integer fitting u32", &got(v))),
+        other => Err(wrong_type(field, "a non-negative integer", other)),
+    }
+}
+
+fn wrong_type(field: &str, expected: &str, v: &ValueRef<'_>) -> Rejection {
+    Rejection::new(
+        RejectReason::InvalidField,
+        format!("LoadSample.{field}: expected {expected}, got {}", got(v)),
+    )
+}
+
+fn out_of_range(field: &str, expected: &str, value: &str) -> Rejection {
+    Rejection::new(
+        RejectReason::InvalidLoadValue,
+        format!("LoadSample.{field}: expected {expected}, got {value}"),
+    )
+}
