@@ -259,6 +259,9 @@ pub enum Input {
     /// The daemon came back up: every known worker gets a fresh `worker_ttl` to be heard from,
     /// because time the daemon was down does not count against workers.
     Resume,
+    /// The daemon started with these settings. Journaled so a replay decides with the settings
+    /// that were in force, and can override them for a counterfactual.
+    Configure(Box<crate::router::RouterConfig>),
 }
 
 impl Input {
@@ -272,6 +275,7 @@ impl Input {
             Input::Release { .. } => "release",
             Input::Tick => "tick",
             Input::Resume => "resume",
+            Input::Configure(_) => "configure",
         }
     }
 }

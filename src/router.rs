@@ -121,6 +121,7 @@ pub enum Output {
     Resumed {
         workers: usize,
     },
+    Configured,
 }
 
 /// Everything the router knows; what a snapshot holds.
@@ -188,6 +189,12 @@ impl Router {
         &self.config
     }
 
+    /// Takes new settings. A smaller approximate-record bound applies as records are written.
+    pub fn configure(&mut self, config: RouterConfig) {
+        self.state.approx.set_max_records(config.approx_max_records);
+        self.config = config;
+    }
+
     /// Sequence number of the last input applied (0 before any).
     pub fn last_seq(&self) -> u64 {
         self.state.last_seq
@@ -229,6 +236,10 @@ impl Router {
                     workers += 1;
                 }
                 Output::Resumed { workers }
+            }
+            Input::Configure(config) => {
+                self.configure((**config).clone());
+                Output::Configured
             }
         }
     }

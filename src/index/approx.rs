@@ -35,6 +35,10 @@ impl ApproxIndex {
         }
     }
 
+    pub fn set_max_records(&mut self, max_records: usize) {
+        self.max_records = max_records.max(1);
+    }
+
     /// Records that `slot` will hold every key of `keys` until `expires_ms`.
     pub fn record(&mut self, ns: NsId, keys: &[u64], slot: Slot, expires_ms: u64) {
         let ns_idx = ns as usize;

@@ -1,0 +1,285 @@
+//! Command-line configuration (DESIGN.md §13).
+//!
+//! Every `serve` flag can also come from the environment (`KVROUTED_` + the flag name in upper
+//! snake case) or a TOML file (`--config kvrouted.toml`, keys are flag names); flags win over the
+//! environment, which wins over the file. Durations are written with their unit (`30s`, `500ms`).
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, FromArgMatches};
+
+use crate::policy::PolicyKind;
+use crate::router::RouterConfig;
+
+/// Parses `30s`, `500ms`, `2m`, `1h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{e}: write durations with their unit, e.g. 30s or 500ms"))
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if v.is_finite() && (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is outside 0..=1"))
+    }
+}
+
+/// Routing settings, shared by `serve` (defaults as shown) and `replay` (where a flag given
+/// overrides the recorded setting: a counterfactual).
+#[derive(Debug, Clone, Default, Args)]
+pub struct PolicyArgs {
+    /// Routing policy: pressure_first, or a baseline (legacy, round_robin, p2c, longest_prefix)
+    /// [default: pressure_first]
+    #[arg(long, env = "KVROUTED_POLICY")]
+    pub policy: Option<PolicyKind>,
+    /// Tokens per KV block; events with another block size are rejected [default: 16]
+    #[arg(long, env = "KVROUTED_BLOCK_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
+    pub block_size: Option<u32>,
+    /// Known owners of a prefix at which the router stops creating new ones [default: 4]
+    #[arg(long, env = "KVROUTED_MAX_OWNERS_PER_PREFIX", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_owners_per_prefix: Option<u64>,
+    /// After a pressure spill for a prefix, no other owner is created for it this long [default: 5s]
+    #[arg(long, env = "KVROUTED_SPILL_COOLDOWN", value_parser = parse_duration)]
+    pub spill_cooldown: Option<Duration>,
+    /// Pressure (0..1) above which a worker is never a safe home [default: 0.90]
+    #[arg(long, env = "KVROUTED_PRESSURE_HIGH_WATER", value_parser = parse_fraction)]
+    pub pressure_high_water: Option<f64>,
+    /// An owner more than this above the best owner's pressure is pressured [default: 0.10]
+    #[arg(long, env = "KVROUTED_PRESSURE_SLACK", value_parser = parse_fraction)]
+    pub pressure_slack: Option<f64>,
+    /// Load samples older than this are stale: they fail open to known owners [default: 30s]
+    #[arg(long, env = "KVROUTED_TELEMETRY_MAX_AGE", value_parser = parse_duration)]
+    pub telemetry_max_age: Option<Duration>,
+    /// Matches shorter than this many blocks are cold misses [default: 1]
+    #[arg(long, env = "KVROUTED_MIN_MATCH_BLOCKS")]
+    pub min_match_blocks: Option<u32>,
+    /// How long the router's own routing records count as ownership [default: 120s]
+    #[arg(long, env = "KVROUTED_APPROX_TTL", value_parser = parse_duration)]
+    pub approx_ttl: Option<Duration>,
+    /// Bound on routing records (one per routed block) [default: 4000000]
+    #[arg(long, env = "KVROUTED_APPROX_MAX_RECORDS")]
+    pub approx_max_records: Option<usize>,
+    /// Reservations not released by then expire [default: 600s]
+    #[arg(long, env = "KVROUTED_RESERVATION_TTL", value_parser = parse_duration)]
+    pub reservation_ttl: Option<Duration>,
+    /// Output tokens assumed for reserved work when a request gives no smaller maximum [default: 4096]
+    #[arg(long, env = "KVROUTED_OUTPUT_ESTIMATE")]
+    pub output_estimate: Option<u64>,
+    /// A worker silent this long is removed like a leave [default: 60s]
+    #[arg(long, env = "KVROUTED_WORKER_TTL", value_parser = parse_duration)]
+    pub worker_ttl: Option<Duration>,
+}
+
+impl PolicyArgs {
+    /// Applies the flags that were given to `config`. Returns a line per change.
+    pub fn apply(&self, config: &mut RouterConfig) -> Vec<String> {
+        let mut changes = Vec::new();
+        macro_rules! set {
+            ($field:expr, $value:expr, $name:literal) => {
+                if let Some(v) = $value {
+                    let v = v.into();
+                    if $field != v {
+                        changes.push(format!("{}: {:?} -> {:?}", $name, $field, v));
+                        $field = v;
+                    }
+                }
+            };
+        }
+        let p = &mut config.policy;
+        set!(p.kind, self.policy, "policy");
+        set!(
+            p.max_owners_per_prefix,
+            self.max_owners_per_prefix.map(|v| v as usize),
+            "max_owners_per_prefix"
+        );
+        set!(
+            p.spill_cooldown_ms,
+            self.spill_cooldown.map(ms),
+            "spill_cooldown_ms"
+        );
+        set!(
+            p.high_water,
+            self.pressure_high_water,
+            "pressure_high_water"
+        );
+        set!(p.pressure_slack, self.pressure_slack, "pressure_slack");
+        set!(
+            p.telemetry_max_age_ms,
+            self.telemetry_max_age.map(ms),
+            "telemetry_max_age_ms"
+        );
+        set!(
+            p.min_match_blocks,
+            self.min_match_blocks,
+            "min_match_blocks"
+        );
+        set!(config.block_size, self.block_size, "block_size");
+        set!(
+            config.approx_ttl_ms,
+            self.approx_ttl.map(ms),
+            "approx_ttl_ms"
+        );
+        set!(
+            config.approx_max_records,
+            self.approx_max_records,
+            "approx_max_records"
+        );
+        set!(
+            config.reservation_ttl_ms,
+            self.reservation_ttl.map(ms),
+            "reservation_ttl_ms"
+        );
+        set!(
+            config.output_estimate,
+            self.output_estimate,
+            "output_estimate"
+        );
+        set!(
+            config.worker_ttl_ms,
+            self.worker_ttl.map(ms),
+            "worker_ttl_ms"
+        );
+        changes
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// `kvrouted serve`: run the daemon.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// TOML file with any of these settings (keys are flag names, e.g. `nats-url = "..."`);
+    /// flags and environment variables win over it
+    #[arg(long, env = "KVROUTED_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// NATS server to ingest from
+    #[arg(
+        long,
+        env = "KVROUTED_NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    pub nats_url: String,
+    /// Address of the HTTP API and /metrics
+    #[arg(long, env = "KVROUTED_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http_addr: SocketAddr,
+    /// Where the journal and snapshots live (sled)
+    #[arg(long, env = "KVROUTED_DATA_DIR", default_value = "./kvrouted-data")]
+    pub data_dir: PathBuf,
+    /// NATS subject prefix: <prefix>.events.<worker>, <prefix>.load.<worker>, <prefix>.workers.<worker>
+    #[arg(long, env = "KVROUTED_SUBJECT_PREFIX", default_value = "kv")]
+    pub subject_prefix: String,
+    /// JetStream stream capturing KV events and lifecycle messages (created if missing)
+    #[arg(long, env = "KVROUTED_STREAM", default_value = "KVROUTED")]
+    pub stream: String,
+    /// Durable consumer name; each replica needs its own
+    #[arg(long, env = "KVROUTED_CONSUMER", default_value = "kvrouted")]
+    pub consumer: String,
+    /// Subscribe on core NATS only (no JetStream: events published while down are lost)
+    #[arg(long, env = "KVROUTED_NO_JETSTREAM")]
+    pub no_jetstream: bool,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    /// How often the state is snapshotted (and the journal pruned)
+    #[arg(long, env = "KVROUTED_SNAPSHOT_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub snapshot_interval: Duration,
+    /// Journal entries older than this may be dropped once a snapshot covers them
+    #[arg(long, env = "KVROUTED_JOURNAL_MAX_AGE", default_value = "24h", value_parser = parse_duration)]
+    pub journal_max_age: Duration,
+    /// Journal size above which the oldest snapshot-covered entries are dropped
+    #[arg(long, env = "KVROUTED_JOURNAL_MAX_BYTES", default_value_t = 1 << 30)]
+    pub journal_max_bytes: u64,
+    /// Group-commit interval: journal flushes (and JetStream acks) happen this often
+    #[arg(long, env = "KVROUTED_FLUSH_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
+    pub flush_interval: Duration,
+    /// Housekeeping interval (worker age-out, expiries, gauges)
+    #[arg(long, env = "KVROUTED_TICK_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub tick_interval: Duration,
+    /// Largest accepted HTTP body or NATS payload, in bytes
+    #[arg(long, env = "KVROUTED_MAX_BODY_BYTES", default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Largest accepted prompt, in tokens (or blocks × block size)
+    #[arg(long, env = "KVROUTED_MAX_PROMPT_TOKENS", default_value_t = 1 << 20)]
+    pub max_prompt_tokens: usize,
+    /// Log format
+    #[arg(long, env = "KVROUTED_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    pub fn router_config(&self) -> RouterConfig {
+        let mut config = RouterConfig::default();
+        self.policy.apply(&mut config);
+        config
+    }
+}
+
+/// Adds the settings of a `--config` TOML file to `argv` as flags, for every setting that was
+/// not given as a flag or environment variable. `matches` are the `serve` matches of `argv`.
+pub fn merge_config_file(
+    argv: &mut Vec<OsString>,
+    matches: &ArgMatches,
+    path: &Path,
+) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    let table: toml::Table =
+        toml::from_str(&text).with_context(|| format!("invalid TOML in {}", path.display()))?;
+    let command = ServeArgs::augment_args(clap::Command::new("serve"));
+    for (key, value) in table {
+        let id = key.replace('-', "_");
+        let Some(arg) = command.get_arguments().find(|a| a.get_id() == id.as_str()) else {
+            bail!(
+                "{}: unknown setting {key:?} (settings are serve's flag names, e.g. nats-url)",
+                path.display()
+            );
+        };
+        if id == "config" {
+            bail!(
+                "{}: a config file cannot name another config file",
+                path.display()
+            );
+        }
+        if matches!(
+            matches.value_source(&id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        ) {
+            continue;
+        }
+        let flag = format!(
+            "--{}",
+            arg.get_long().expect("every serve setting is a long flag")
+        );
+        match value {
+            toml::Value::Boolean(true) => argv.push(flag.into()),
+            toml::Value::Boolean(false) => {}
+            toml::Value::String(s) => argv.extend([flag.into(), s.into()]),
+            toml::Value::Integer(i) => argv.extend([flag.into(), i.to_string().into()]),
+            toml::Value::Float(f) => argv.extend([flag.into(), f.to_string().into()]),
+            other => bail!(
+                "{}: {key} must be a string, number or boolean, not {other}",
+                path.display()
+            ),
+        }
+    }
+    Ok(())
+}
+
+/// Parses `ServeArgs` from full serve matches (after merging).
+pub fn serve_args(matches: &ArgMatches) -> anyhow::Result<ServeArgs> {
+    Ok(ServeArgs::from_arg_matches(matches)?)
+}

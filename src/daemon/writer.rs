@@ -1,0 +1,307 @@
+//! The single writer (DESIGN.md §2): one thread owns the [`Router`], stamps every input with the
+//! next journal sequence and the daemon clock, journals it, applies it and answers.
+//!
+//! Journal appends land in sled's memory; a separate flusher makes them durable every
+//! `flush_interval` (group commit) and only then acks the JetStream messages they came from, so
+//! the writer never waits for the disk and a crash never loses an acked event.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::message::Acker;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::input::{Input, Stamped};
+use crate::journal::{Journal, JournalEntry, RouteOutcome, Snapshot};
+use crate::metrics;
+use crate::router::{Output, Router};
+
+/// Capacity of the writer's queue: senders wait (backpressure) beyond it.
+const QUEUE: usize = 65_536;
+
+type Query = Box<dyn FnOnce(&Router, u64) + Send>;
+
+#[allow(clippy::large_enum_variant)] // Apply is the hot path; boxing it would allocate per input
+enum Command {
+    Apply {
+        input: Input,
+        source: &'static str,
+        reply: Option<oneshot::Sender<Output>>,
+        ack: Option<Acker>,
+    },
+    Query(Query),
+    Shutdown(oneshot::Sender<()>),
+}
+
+/// Messages waiting for the flush that makes their journal entries durable.
+#[derive(Default)]
+pub struct PendingAcks {
+    acks: Mutex<VecDeque<(u64, Acker)>>,
+    appended: AtomicU64,
+}
+
+/// Handle to the writer; cheap to clone.
+#[derive(Clone)]
+pub struct WriterHandle {
+    tx: mpsc::Sender<Command>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the router is shutting down")]
+pub struct WriterGone;
+
+impl WriterHandle {
+    /// Applies an input and waits for its output.
+    pub async fn apply(&self, input: Input, source: &'static str) -> Result<Output, WriterGone> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Apply {
+                input,
+                source,
+                reply: Some(reply),
+                ack: None,
+            })
+            .await
+            .map_err(|_| WriterGone)?;
+        rx.await.map_err(|_| WriterGone)
+    }
+
+    /// Queues an input; `ack` is acked once its journal entry is durable.
+    pub async fn submit(
+        &self,
+        input: Input,
+        source: &'static str,
+        ack: Option<Acker>,
+    ) -> Result<(), WriterGone> {
+        self.tx
+            .send(Command::Apply {
+                input,
+                source,
+                reply: None,
+                ack,
+            })
+            .await
+            .map_err(|_| WriterGone)
+    }
+
+    /// Reads the state (not journaled).
+    pub async fn query<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Router, u64) -> R + Send + 'static,
+    ) -> Result<R, WriterGone> {
+        let (tx, rx) = oneshot::channel();
+        let query: Query = Box::new(move |router, now| {
+            let _ = tx.send(f(router, now));
+        });
+        self.tx
+            .send(Command::Query(query))
+            .await
+            .map_err(|_| WriterGone)?;
+        rx.await.map_err(|_| WriterGone)
+    }
+
+    /// Writes a final snapshot and stops the writer.
+    pub async fn shutdown(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Command::Shutdown(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+}
+
+/// Wall-clock milliseconds, never going backwards within this process.
+pub struct Clock {
+    last: u64,
+}
+
+impl Clock {
+    pub fn new(not_before: u64) -> Self {
+        Clock { last: not_before }
+    }
+
+    pub fn now(&mut self) -> u64 {
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        self.last = self.last.max(wall);
+        self.last
+    }
+}
+
+pub struct WriterSettings {
+    pub snapshot_interval: Duration,
+    pub journal_max_age: Duration,
+    pub journal_max_bytes: u64,
+}
+
+/// Applies one input through the journal; shared by the writer loop and startup.
+pub fn apply_journaled(
+    router: &mut Router,
+    journal: &Journal,
+    clock: &mut Clock,
+    input: Input,
+    source: &str,
+) -> (u64, Output) {
+    let seq = router.last_seq() + 1;
+    let stamped = Stamped {
+        seq,
+        at_ms: clock.now(),
+        input,
+    };
+    let output = router.apply(&stamped);
+    let entry = JournalEntry {
+        at_ms: stamped.at_ms,
+        input: stamped.input,
+        outcome: RouteOutcome::of(&output),
+    };
+    match journal.append(seq, &entry) {
+        Ok(bytes) => {
+            ::metrics::counter!("kvrouted_journal_bytes_total").increment(bytes as u64);
+            ::metrics::counter!("kvrouted_journal_entries_total").increment(1);
+        }
+        Err(e) => {
+            ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
+            tracing::error!(seq, "journal append failed: {e}");
+        }
+    }
+    metrics::record_output(&output, source);
+    (seq, output)
+}
+
+/// Starts the writer thread. Returns its handle and the join handle.
+pub fn spawn(
+    mut router: Router,
+    journal: Journal,
+    mut clock: Clock,
+    pending: Arc<PendingAcks>,
+    settings: WriterSettings,
+) -> (WriterHandle, std::thread::JoinHandle<()>) {
+    let (tx, mut rx) = mpsc::channel::<Command>(QUEUE);
+    let thread = std::thread::Builder::new()
+        .name("kvrouted-writer".into())
+        .spawn(move || {
+            let mut last_snapshot = Instant::now();
+            while let Some(first) = rx.blocking_recv() {
+                let mut next = Some(first);
+                // Drain what is queued so the ack bookkeeping happens once per burst.
+                let mut burst = 0;
+                let mut shutdown = None;
+                while let Some(cmd) = next.take() {
+                    match cmd {
+                        Command::Apply {
+                            input,
+                            source,
+                            reply,
+                            ack,
+                        } => {
+                            let (seq, output) =
+                                apply_journaled(&mut router, &journal, &mut clock, input, source);
+                            if let Some(ack) = ack {
+                                pending.acks.lock().unwrap().push_back((seq, ack));
+                            }
+                            if let Some(reply) = reply {
+                                let _ = reply.send(output);
+                            }
+                        }
+                        Command::Query(f) => f(&router, clock.now()),
+                        Command::Shutdown(done) => {
+                            shutdown = Some(done);
+                            break;
+                        }
+                    }
+                    burst += 1;
+                    if burst < 1024 {
+                        next = rx.try_recv().ok();
+                    }
+                }
+                pending.appended.store(router.last_seq(), Ordering::Release);
+                if let Some(done) = shutdown {
+                    write_snapshot(&router, &journal, &mut clock, &settings);
+                    let _ = journal.flush();
+                    let _ = done.send(());
+                    return;
+                }
+                if last_snapshot.elapsed() >= settings.snapshot_interval {
+                    write_snapshot(&router, &journal, &mut clock, &settings);
+                    last_snapshot = Instant::now();
+                }
+            }
+        })
+        .expect("spawn writer thread");
+    (WriterHandle { tx }, thread)
+}
+
+fn write_snapshot(
+    router: &Router,
+    journal: &Journal,
+    clock: &mut Clock,
+    settings: &WriterSettings,
+) {
+    let started = Instant::now();
+    let snapshot = Snapshot {
+        seq: router.last_seq(),
+        at_ms: clock.now(),
+        config: router.config().clone(),
+        state: router.state().clone(),
+    };
+    match journal.write_snapshot(&snapshot) {
+        Ok(bytes) => {
+            let pruned = journal
+                .prune(
+                    snapshot.at_ms,
+                    settings.journal_max_age.as_millis() as u64,
+                    settings.journal_max_bytes,
+                )
+                .unwrap_or_else(|e| {
+                    tracing::error!("journal retention failed: {e}");
+                    0
+                });
+            ::metrics::gauge!("kvrouted_snapshot_seconds").set(started.elapsed().as_secs_f64());
+            tracing::info!(
+                seq = snapshot.seq,
+                bytes,
+                pruned,
+                took_ms = started.elapsed().as_millis() as u64,
+                "snapshot written"
+            );
+        }
+        Err(e) => tracing::error!("snapshot failed: {e}"),
+    }
+}
+
+/// Group commit: flushes the journal every `interval` and then acks the messages it covers.
+pub async fn run_flusher(journal: Journal, pending: Arc<PendingAcks>, interval: Duration) {
+    let mut flushed = 0u64;
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let upto = pending.appended.load(Ordering::Acquire);
+        if upto == flushed {
+            continue;
+        }
+        if let Err(e) = journal.flush_async().await {
+            ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
+            tracing::error!(
+                "journal flush failed (messages stay unacked and will be redelivered): {e}"
+            );
+            continue;
+        }
+        flushed = upto;
+        let ready: Vec<Acker> = {
+            let mut acks = pending.acks.lock().unwrap();
+            let n = acks.iter().take_while(|(seq, _)| *seq <= upto).count();
+            acks.drain(..n).map(|(_, a)| a).collect()
+        };
+        for acker in ready {
+            if let Err(e) = acker.ack().await {
+                tracing::debug!(
+                    "ack failed (message will be redelivered, sequence dedupes it): {e}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! The HTTP API (DESIGN.md §7). Handlers are thin: parse and validate, hash tokens into block
+//! keys (here, outside the single writer), hand the input to the writer, shape the reply.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router as HttpRouter};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::daemon::writer::WriterHandle;
+use crate::hashing;
+use crate::ingest::Status;
+use crate::input::{Input, RejectReason, Rejection, RouteRequest, WorkerId};
+use crate::metrics::reject;
+use crate::router::Output;
+
+/// Explicit handler state.
+#[derive(Clone)]
+pub struct AppState {
+    pub writer: WriterHandle,
+    pub status: Arc<Status>,
+    pub prometheus: PrometheusHandle,
+    pub block_size: usize,
+    pub max_prompt_tokens: usize,
+}
+
+pub fn app(state: AppState, max_body_bytes: usize) -> HttpRouter {
+    HttpRouter::new()
+        .route("/v1/route", post(route))
+        .route("/v1/release", post(release))
+        .route("/v1/workers", get(workers))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+/// An error reply: a status and a one-line message.
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+fn bad_request(reason: RejectReason, detail: String) -> ApiError {
+    reject(&Rejection::new(reason, detail.clone()), "http");
+    ApiError(StatusCode::BAD_REQUEST, detail)
+}
+
+fn is_msgpack(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.starts_with("application/msgpack") || v.starts_with("application/x-msgpack")
+        })
+}
+
+/// Parses a JSON or MessagePack body into `T`, with a one-line error.
+fn parse_body<T: DeserializeOwned>(headers: &HeaderMap, body: &[u8]) -> Result<T, ApiError> {
+    let parsed = if is_msgpack(headers) {
+        rmp_serde::from_slice(body).map_err(|e| e.to_string())
+    } else {
+        serde_json::from_slice(body).map_err(|e| e.to_string())
+    };
+    parsed.map_err(|e| {
+        bad_request(
+            RejectReason::InvalidField,
+            format!("invalid request body: {e}"),
+        )
+    })
+}
+
+/// Replies in the request's encoding.
+fn reply<T: Serialize>(headers: &HeaderMap, status: StatusCode, value: &T) -> Response {
+    if is_msgpack(headers) {
+        let bytes = rmp_serde::to_vec_named(value).expect("replies serialize");
+        (
+            status,
+            [(header::CONTENT_TYPE, "application/msgpack")],
+            bytes,
+        )
+            .into_response()
+    } else {
+        (status, Json(value)).into_response()
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct RouteBody {
+    model: Option<String>,
+    tokens: Option<Vec<u32>>,
+    block_keys: Option<Vec<u64>>,
+    prompt_tokens: Option<u64>,
+    max_output_tokens: Option<u64>,
+    #[serde(default)]
+    exclude: Vec<String>,
+    request_id: Option<String>,
+    lora: Option<String>,
+    #[serde(default)]
+    explain: bool,
+}
+
+const MAX_REQUEST_ID: usize = 256;
+
+/// Validates a route body and hashes its tokens into block keys.
+fn route_request(state: &AppState, body: RouteBody) -> Result<RouteRequest, ApiError> {
+    let bs = state.block_size;
+    let too_large = |tokens: usize| {
+        reject(
+            &Rejection::new(
+                RejectReason::OversizePayload,
+                format!("prompt of {tokens} tokens"),
+            ),
+            "http",
+        );
+        ApiError(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "prompt of {tokens} tokens exceeds the limit of {} (--max-prompt-tokens)",
+                state.max_prompt_tokens
+            ),
+        )
+    };
+    let (keys, prompt_tokens) = match (body.tokens, body.block_keys) {
+        (Some(tokens), None) => {
+            if tokens.len() > state.max_prompt_tokens {
+                return Err(too_large(tokens.len()));
+            }
+            (hashing::block_keys(&tokens, bs), tokens.len() as u64)
+        }
+        (None, Some(keys)) => {
+            let tokens = keys.len().saturating_mul(bs);
+            if tokens > state.max_prompt_tokens {
+                return Err(too_large(tokens));
+            }
+            let prompt = body.prompt_tokens.unwrap_or(tokens as u64);
+            (keys, prompt)
+        }
+        _ => {
+            return Err(bad_request(
+                RejectReason::InvalidField,
+                "give exactly one of tokens or block_keys".into(),
+            ))
+        }
+    };
+    if body
+        .request_id
+        .as_ref()
+        .is_some_and(|id| id.len() > MAX_REQUEST_ID)
+    {
+        return Err(bad_request(
+            RejectReason::InvalidField,
+            format!("request_id longer than {MAX_REQUEST_ID} bytes"),
+        ));
+    }
+    let exclude = body
+        .exclude
+        .iter()
+        .map(|w| WorkerId::new(w))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad_request(RejectReason::InvalidWorkerId, format!("exclude: {e}")))?;
+    Ok(RouteRequest {
+        model: body.model.filter(|m| !m.is_empty()),
+        lora: body.lora.filter(|l| !l.is_empty()),
+        keys,
+        prompt_tokens,
+        max_output_tokens: body.max_output_tokens,
+        exclude,
+        request_id: body.request_id,
+        explain: body.explain,
+    })
+}
+
+async fn route(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let started = Instant::now();
+    let response = async {
+        let body: RouteBody = parse_body(&headers, &body)?;
+        let request = route_request(&state, body)?;
+        match state.writer.apply(Input::Route(request), "http").await {
+            Ok(Output::Routed(decision)) => Ok(reply(&headers, StatusCode::OK, &decision)),
+            Ok(Output::NoCandidate) => Err(ApiError(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no candidate worker: none known, or all draining or excluded".into(),
+            )),
+            Ok(other) => Err(ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("unexpected output {other:?}"),
+            )),
+            Err(e) => Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())),
+        }
+    }
+    .await;
+    ::metrics::histogram!("kvrouted_route_duration_seconds")
+        .record(started.elapsed().as_secs_f64());
+    response.unwrap_or_else(IntoResponse::into_response)
+}
+
+#[derive(Debug, Deserialize)]
+struct ReleaseBody {
+    reservation: u64,
+}
+
+async fn release(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let result = async {
+        let body: ReleaseBody = parse_body(&headers, &body)?;
+        match state
+            .writer
+            .apply(
+                Input::Release {
+                    reservation: body.reservation,
+                },
+                "http",
+            )
+            .await
+        {
+            Ok(Output::Released { found: true }) => Ok(reply(
+                &headers,
+                StatusCode::OK,
+                &json!({"released": body.reservation}),
+            )),
+            Ok(_) => Err(ApiError(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "reservation {} is unknown, released or expired",
+                    body.reservation
+                ),
+            )),
+            Err(e) => Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())),
+        }
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn workers(State(state): State<AppState>) -> Response {
+    match state
+        .writer
+        .query(|router, now| router.worker_rows(now))
+        .await
+    {
+        Ok(rows) => Json(json!({ "workers": rows })).into_response(),
+        Err(e) => ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.prometheus.render(),
+    )
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    let s = &state.status;
+    if !s.recovered.load(Ordering::Acquire) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "recovering"})),
+        )
+            .into_response();
+    }
+    if !s.caught_up.load(Ordering::Acquire) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "catching_up"})),
+        )
+            .into_response();
+    }
+    if !s.nats_connected.load(Ordering::Acquire) {
+        // Still serving routes from the last known state: stay in rotation, say degraded.
+        return Json(json!({"status": "degraded", "reason": "NATS disconnected; routing on the last known state"}))
+            .into_response();
+    }
+    Json(json!({"status": "ready"})).into_response()
+}

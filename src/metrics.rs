@@ -1,0 +1,145 @@
+//! Prometheus metrics (bounded label sets) and the rate-limited rejection log.
+//!
+//! Names: `kvrouted_route_decisions_total{decision}`, `kvrouted_route_duration_seconds`,
+//! `kvrouted_route_matched_blocks`, `kvrouted_prefix_owner_count`,
+//! `kvrouted_events_applied_total{kind}`, `kvrouted_inputs_rejected_total{reason}`,
+//! `kvrouted_event_seq_gaps_total`, `kvrouted_index_blocks`, `kvrouted_index_entries`,
+//! `kvrouted_workers{state}`, `kvrouted_worker_pressure{worker}`,
+//! `kvrouted_worker_reserved_work{worker}`, `kvrouted_nats_reconnects_total`,
+//! `kvrouted_ingest_lag_seconds`, `kvrouted_journal_*`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::input::{RejectReason, Rejection};
+use crate::policy::DecisionLabel;
+use crate::router::{Output, Router};
+
+/// Installs the Prometheus recorder and pre-registers every bounded label so dashboards see
+/// zeros rather than missing series.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("kvrouted_route_duration_seconds".into()),
+            &[
+                1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0,
+            ],
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full("kvrouted_route_matched_blocks".into()),
+            &[0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0],
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full("kvrouted_prefix_owner_count".into()),
+            &[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
+        )?
+        .idle_timeout(
+            metrics_util::MetricKindMask::GAUGE,
+            Some(Duration::from_secs(300)),
+        )
+        .install_recorder()?;
+    for label in DecisionLabel::ALL {
+        counter!("kvrouted_route_decisions_total", "decision" => label.as_str()).absolute(0);
+    }
+    for reason in RejectReason::ALL {
+        counter!("kvrouted_inputs_rejected_total", "reason" => reason.as_str()).absolute(0);
+    }
+    counter!("kvrouted_event_seq_gaps_total").absolute(0);
+    counter!("kvrouted_nats_reconnects_total").absolute(0);
+    Ok(handle)
+}
+
+/// Counts a rejected input and logs it, at most once per second per reason.
+pub fn reject(rejection: &Rejection, source: &str) {
+    counter!("kvrouted_inputs_rejected_total", "reason" => rejection.reason.as_str()).increment(1);
+    static LAST: Mutex<Option<HashMap<RejectReason, (Instant, u64)>>> = Mutex::new(None);
+    let mut guard = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    let now = Instant::now();
+    let entry = map
+        .entry(rejection.reason)
+        .or_insert((now - Duration::from_secs(2), 0));
+    if now.duration_since(entry.0) >= Duration::from_secs(1) {
+        tracing::warn!(
+            reason = rejection.reason.as_str(),
+            source,
+            suppressed = entry.1,
+            "rejected input: {}",
+            rejection.detail
+        );
+        *entry = (now, 0);
+    } else {
+        entry.1 += 1;
+    }
+}
+
+/// Records what one applied input did.
+pub fn record_output(output: &Output, source: &str) {
+    match output {
+        Output::Routed(d) => {
+            counter!("kvrouted_route_decisions_total", "decision" => d.decision.as_str())
+                .increment(1);
+            histogram!("kvrouted_route_matched_blocks").record(d.matched_blocks as f64);
+            histogram!("kvrouted_prefix_owner_count").record(d.owners.len() as f64);
+        }
+        Output::Ingested(r) => {
+            let kinds = [
+                ("stored", r.stored_blocks),
+                ("removed", r.removed_blocks),
+                ("cleared", r.cleared),
+                ("ignored_medium", r.ignored_blocks),
+            ];
+            for (kind, n) in kinds {
+                if n > 0 {
+                    counter!("kvrouted_events_applied_total", "kind" => kind).increment(n);
+                }
+            }
+            if r.duplicate {
+                counter!("kvrouted_events_applied_total", "kind" => "duplicate_batch").increment(1);
+            }
+            if r.seq_gap > 0 {
+                counter!("kvrouted_event_seq_gaps_total").increment(r.seq_gap);
+                tracing::warn!(source, missed = r.seq_gap, "KV event sequence gap");
+            }
+            for rejection in &r.rejections {
+                reject(rejection, source);
+            }
+            for w in &r.removed_workers {
+                tracing::info!(worker = %w, "worker left");
+            }
+        }
+        Output::Tick(t) => {
+            for w in &t.aged_out {
+                tracing::warn!(worker = %w, "worker aged out (silent for worker_ttl)");
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Refreshes the state gauges (on every tick).
+pub fn record_state(router: &Router, now_ms: u64) {
+    let stats = router.index_stats();
+    gauge!("kvrouted_index_blocks").set(stats.blocks as f64);
+    gauge!("kvrouted_index_entries").set(stats.entries as f64);
+    let rows = router.worker_rows(now_ms);
+    let mut active = 0;
+    let mut draining = 0;
+    for row in &rows {
+        match row.state {
+            crate::workers::WorkerState::Active => active += 1,
+            crate::workers::WorkerState::Draining => draining += 1,
+        }
+        let id = row.id.to_string();
+        if let Some(p) = row.pressure {
+            gauge!("kvrouted_worker_pressure", "worker" => id.clone()).set(p);
+        }
+        gauge!("kvrouted_worker_reserved_work", "worker" => id).set(row.reserved_work as f64);
+    }
+    gauge!("kvrouted_workers", "state" => "active").set(active as f64);
+    gauge!("kvrouted_workers", "state" => "draining").set(draining as f64);
+}
