@@ -1,0 +1,45 @@
+//! The daemon end to end: a vLLM-format worker publishes, a gateway routes.
+mod common;
+
+use common::*;
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_prefix_routes_to_its_owner_over_http() {
+    let nats = Nats::start();
+    let daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
+    let mut owner = Worker::connect(&nats.url(), "owner").await;
+    let other = Worker::connect(&nats.url(), "other").await;
+    let tokens = prompt(1, 8);
+    owner.store(&tokens).await;
+    owner.load(0.5).await;
+    other.load(0.0).await;
+    eventually("the owner's 8 blocks are indexed", || async {
+        (daemon.blocks().await.get("owner") == Some(&8)).then_some(())
+    })
+    .await;
+    eventually("both workers are known", || async {
+        (daemon.blocks().await.len() == 2).then_some(())
+    })
+    .await;
+    let (status, body) = daemon.route(&tokens, json!({"request_id": "r1"})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["worker"], "owner",
+        "the owner of the whole prefix is chosen: {body}"
+    );
+    assert_eq!(body["decision"], "owner_hold");
+    assert_eq!(body["matched_blocks"], 8);
+    assert_eq!(body["prompt_blocks"], 8);
+    assert_eq!(body["request_id"], "r1");
+    let reservation = body["reservation"].as_u64().unwrap();
+    let (status, _) = daemon
+        .post("/v1/release", &json!({"reservation": reservation}))
+        .await;
+    assert_eq!(status, 200, "a fresh reservation releases");
+    let (status, _) = daemon
+        .post("/v1/release", &json!({"reservation": reservation}))
+        .await;
+    assert_eq!(status, 404, "a released reservation is unknown");
+}
