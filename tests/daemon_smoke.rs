@@ -43,3 +43,27 @@ async fn a_published_prefix_routes_to_its_owner_over_http() {
         .await;
     assert_eq!(status, 404, "a released reservation is unknown");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_examples_in_schemas_are_accepted() {
+    let nats = Nats::start();
+    let daemon = Daemon::start(&nats.url(), &[]).await;
+    let worker = Worker::connect(&nats.url(), "worker-1").await;
+    worker.load(0.1).await;
+    eventually("the worker is known", || async {
+        daemon.blocks().await.contains_key("worker-1").then_some(())
+    })
+    .await;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schemas/examples/http");
+    let example = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap()
+    };
+    for name in ["route-tokens.json", "route-block-keys.json"] {
+        let (status, body) = daemon.post("/v1/route", &example(name)).await;
+        assert_eq!(status, 200, "{name} is a valid route request: {body}");
+        assert_eq!(body["worker"], "worker-1");
+    }
+    let (status, body) = daemon.post("/v1/release", &example("release.json")).await;
+    assert_eq!(status, 404, "release.json decodes; reservation 42 is unknown here: {body}");
+    assert!(body["error"].as_str().unwrap().contains("42"), "the error names the reservation");
+}
