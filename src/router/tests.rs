@@ -19,6 +19,20 @@ fn id(s: &str) -> WorkerId {
     WorkerId::new(s).unwrap()
 }
 
+/// A `BlockStored` event of one block (engine hash = local).
+fn one_block(local: u64, block_size: u32, medium: Medium) -> KvEvent {
+    KvEvent::Stored {
+        parent: None,
+        blocks: vec![StoredBlock {
+            engine_hash: local,
+            local,
+        }],
+        block_size,
+        lora: None,
+        medium,
+    }
+}
+
 /// Engine hashes in tests are the keys themselves, xored so they differ from keys.
 fn engine(key: u64) -> u64 {
     key ^ 0xE1
@@ -83,6 +97,27 @@ impl Fleet {
             panic!("{out:?}")
         };
         assert!(report.rejections.is_empty(), "{:?}", report.rejections);
+    }
+
+    /// Applies a KV event batch and returns what it did.
+    fn ingest(
+        &mut self,
+        worker: &str,
+        seq: Option<u64>,
+        dp_rank: u32,
+        events: Vec<KvEvent>,
+    ) -> IngestReport {
+        let out = self.apply(Input::KvEvents(KvEventBatch {
+            worker: id(worker),
+            model: None,
+            dp_rank,
+            seq,
+            events,
+        }));
+        match out {
+            Output::Ingested(report) => report,
+            other => panic!("expected an ingest report, got {other:?}"),
+        }
     }
 
     fn load(&mut self, worker: &str, pressure: f64) {
@@ -623,12 +658,6 @@ fn pressure_is_ranked_only_within_the_owner_set() {
 
 #[test]
 fn spills_only_choose_fresh_safe_homes() {
-    let mut fleet = Fleet::new();
-    fleet.store("owner", &PROMPT);
-    fleet.load("owner", 0.95);
-    fleet.load("safe", 0.30);
-    fleet.load("hot", 0.95);
-    fleet.lifecycle("unknown-load", LifecycleOp::Join);
     for i in 0..8 {
         let mut f = Fleet::new();
         f.seq = i * 7; // different random draws
@@ -649,25 +678,7 @@ fn spills_only_choose_fresh_safe_homes() {
 #[test]
 fn kv_events_with_another_block_size_are_rejected_not_rechunked() {
     let mut fleet = Fleet::new();
-    let out = fleet.apply(Input::KvEvents(KvEventBatch {
-        worker: id("w"),
-        model: None,
-        dp_rank: 0,
-        seq: None,
-        events: vec![KvEvent::Stored {
-            parent: None,
-            blocks: vec![StoredBlock {
-                engine_hash: 1,
-                local: 2,
-            }],
-            block_size: 16,
-            lora: None,
-            medium: Medium::Gpu,
-        }],
-    }));
-    let Output::Ingested(report) = out else {
-        panic!()
-    };
+    let report = fleet.ingest("w", None, 0, vec![one_block(2, 16, Medium::Gpu)]);
     assert_eq!(report.rejections.len(), 1);
     assert_eq!(report.rejections[0].reason, RejectReason::BlockSizeMismatch);
     assert!(
@@ -679,25 +690,7 @@ fn kv_events_with_another_block_size_are_rejected_not_rechunked() {
 #[test]
 fn non_gpu_blocks_are_counted_and_not_owned() {
     let mut fleet = Fleet::new();
-    let out = fleet.apply(Input::KvEvents(KvEventBatch {
-        worker: id("w"),
-        model: None,
-        dp_rank: 0,
-        seq: None,
-        events: vec![KvEvent::Stored {
-            parent: None,
-            blocks: vec![StoredBlock {
-                engine_hash: 1,
-                local: 2,
-            }],
-            block_size: BLOCK,
-            lora: None,
-            medium: Medium::Other,
-        }],
-    }));
-    let Output::Ingested(report) = out else {
-        panic!()
-    };
+    let report = fleet.ingest("w", None, 0, vec![one_block(2, BLOCK, Medium::Other)]);
     assert_eq!(report.ignored_blocks, 1);
     assert!(
         fleet.router.ownerships().is_empty(),
@@ -708,40 +701,22 @@ fn non_gpu_blocks_are_counted_and_not_owned() {
 #[test]
 fn duplicate_sequences_are_skipped_and_gaps_counted_per_dp_rank() {
     let mut fleet = Fleet::new();
-    let batch = |seq: u64, rank: u32, local: u64| {
-        Input::KvEvents(KvEventBatch {
-            worker: id("w"),
-            model: None,
-            dp_rank: rank,
-            seq: Some(seq),
-            events: vec![KvEvent::Stored {
-                parent: None,
-                blocks: vec![StoredBlock {
-                    engine_hash: local,
-                    local,
-                }],
-                block_size: BLOCK,
-                lora: None,
-                medium: Medium::Gpu,
-            }],
-        })
+    let mut batch = |seq: u64, rank: u32, local: u64| {
+        fleet.ingest(
+            "w",
+            Some(seq),
+            rank,
+            vec![one_block(local, BLOCK, Medium::Gpu)],
+        )
     };
-    let report = |out: Output| match out {
-        Output::Ingested(r) => r,
-        other => panic!("{other:?}"),
-    };
-    assert_eq!(report(fleet.apply(batch(1, 0, 1))).stored_blocks, 1);
-    let dup = report(fleet.apply(batch(1, 0, 2)));
+    assert_eq!(batch(1, 0, 1).stored_blocks, 1);
+    let dup = batch(1, 0, 2);
     assert!(
         dup.duplicate && dup.stored_blocks == 0,
         "a redelivered sequence is skipped"
     );
-    assert_eq!(
-        report(fleet.apply(batch(1, 1, 3))).stored_blocks,
-        1,
-        "ranks are independent"
-    );
-    let gap = report(fleet.apply(batch(5, 0, 4)));
+    assert_eq!(batch(1, 1, 3).stored_blocks, 1, "ranks are independent");
+    let gap = batch(5, 0, 4);
     assert_eq!(
         (gap.seq_gap, gap.stored_blocks),
         (3, 1),
@@ -749,7 +724,9 @@ fn duplicate_sequences_are_skipped_and_gaps_counted_per_dp_rank() {
     );
     fleet.lifecycle("w", LifecycleOp::Join);
     assert_eq!(
-        report(fleet.apply(batch(1, 0, 5))).stored_blocks,
+        fleet
+            .ingest("w", Some(1), 0, vec![one_block(5, BLOCK, Medium::Gpu)])
+            .stored_blocks,
         1,
         "a join starts the publisher sequence over"
     );
