@@ -1,18 +1,11 @@
 //! Authoritative ownership from KV events.
 
-use rustc_hash::FxHashMap;
-use serde::{Deserialize, Serialize};
-use smallvec::SmallVec;
-
+use super::owner_map::OwnerMap;
 use super::{NsId, Slot};
 use crate::hashing::chain;
 use crate::input::StoredBlock;
-
-/// Owners of one block. Most blocks have one or two owners, kept inline.
-///
-/// A slot appears once per engine hash of that worker that maps to the block, so a worker that
-/// stored the same content under two engine hashes keeps owning it until both are removed.
-type Owners = SmallVec<[Slot; 2]>;
+use rustc_hash::FxHashMap;
+use serde::{Deserialize, Serialize};
 
 /// One worker's blocks in one namespace: engine hash → block key. Removals name engine hashes,
 /// which are opaque, so this map is how a removal finds the key it drops.
@@ -24,8 +17,10 @@ type EngineMap = FxHashMap<u64, u64>;
 /// hash of `ns` to `key`.
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct OwnerIndex {
-    /// Per namespace: block key → owner slots.
-    blocks: Vec<FxHashMap<u64, Owners>>,
+    /// Per namespace: block key → owner slots. A slot appears once per engine hash of that
+    /// worker mapping to the block, so a worker that stored the same content under two engine
+    /// hashes keeps owning it until both are removed.
+    blocks: Vec<OwnerMap>,
     /// Per worker slot: its blocks per namespace.
     workers: Vec<Vec<(NsId, EngineMap)>>,
     /// Number of (block, owner) entries, i.e. the total length of all owner lists.
@@ -58,30 +53,19 @@ impl OwnerIndex {
         &mut maps[i].1
     }
 
-    fn blocks_mut(&mut self, ns: NsId) -> &mut FxHashMap<u64, Owners> {
+    fn add_owner(&mut self, ns: NsId, key: u64, slot: Slot) {
         let ns = ns as usize;
         if self.blocks.len() <= ns {
-            self.blocks.resize_with(ns + 1, FxHashMap::default);
+            self.blocks.resize_with(ns + 1, OwnerMap::default);
         }
-        &mut self.blocks[ns]
-    }
-
-    fn add_owner(&mut self, ns: NsId, key: u64, slot: Slot) {
-        self.blocks_mut(ns).entry(key).or_default().push(slot);
+        self.blocks[ns].add(key, slot);
         self.entries += 1;
     }
 
     fn remove_owner(&mut self, ns: NsId, key: u64, slot: Slot) {
-        let Some(blocks) = self.blocks.get_mut(ns as usize) else {
-            return;
-        };
-        if let Some(owners) = blocks.get_mut(&key) {
-            if let Some(i) = owners.iter().position(|&s| s == slot) {
-                owners.swap_remove(i);
+        if let Some(blocks) = self.blocks.get_mut(ns as usize) {
+            if blocks.remove(key, slot) {
                 self.entries -= 1;
-                if owners.is_empty() {
-                    blocks.remove(&key);
-                }
             }
         }
     }
@@ -157,10 +141,9 @@ impl OwnerIndex {
         let Some(blocks) = self.blocks.get(ns as usize) else {
             return;
         };
-        for (i, key) in keys.iter().enumerate() {
-            match blocks.get(key) {
-                Some(owners) if visit(i, owners) => {}
-                _ => return,
+        for (i, &key) in keys.iter().enumerate() {
+            if blocks.with_owners(key, |owners| visit(i, owners)) != Some(true) {
+                return;
             }
         }
     }
@@ -169,8 +152,8 @@ impl OwnerIndex {
     pub fn owns(&self, ns: NsId, key: u64, slot: Slot) -> bool {
         self.blocks
             .get(ns as usize)
-            .and_then(|b| b.get(&key))
-            .is_some_and(|owners| owners.contains(&slot))
+            .and_then(|b| b.with_owners(key, |owners| owners.contains(&slot)))
+            .unwrap_or(false)
     }
 
     /// Blocks a worker owns, per namespace.
