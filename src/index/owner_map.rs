@@ -102,10 +102,6 @@ impl OwnerMap {
     pub fn len(&self) -> usize {
         self.inline.len()
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.inline.is_empty()
-    }
 }
 
 #[cfg(test)]
@@ -138,6 +134,6 @@ mod tests {
         );
         assert!(!map.remove(7, 9), "a non-owner is not removed");
         assert!(map.remove(7, 3) && map.remove(7, 1));
-        assert!(map.is_empty(), "a block without owners is dropped");
+        assert_eq!(map.len(), 0, "a block without owners is dropped");
     }
 }
