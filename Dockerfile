@@ -4,7 +4,6 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src src
 COPY benches benches
-COPY examples examples
 RUN cargo build --release --bin kvrouted
 
 FROM debian:bookworm-slim

@@ -1,0 +1,174 @@
+//! A generator of agentic trajectories (DESIGN.md §10): tool-using agent sessions whose turns
+//! each re-send the whole previous context plus the model's last answer and new tool output.
+//!
+//! Hash ids follow the Mooncake convention so the generated trace is replayed exactly like a
+//! real one: a session's turn `i + 1` repeats the ids of turn `i`'s full blocks and appends new
+//! ids; sessions that share a system prompt share its leading full blocks; a partial tail
+//! block always gets a fresh id (its content changes as it fills).
+//!
+//! Sessions start as a Poisson process. Turns are a closed loop: turn `i + 1` arrives a think
+//! time (the tool's run time) after turn `i` finished, so a slow worker slows its sessions down
+//! the way it would in production.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::trace::{FollowUp, Trace, TraceRequest};
+
+/// Parameters of the agentic generator. Token counts are means of exponential distributions
+/// unless said otherwise.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgenticParams {
+    /// Number of sessions (trajectories).
+    pub sessions: usize,
+    /// Mean turns per session; each session draws uniformly from `[turns/2, 3*turns/2]`.
+    pub turns: usize,
+    /// Tokens of the first user message (after the system prompt).
+    pub first_turn_tokens: u64,
+    /// Tokens of tool output added per turn (on top of the previous answer).
+    pub growth_tokens: u64,
+    /// Output tokens per turn.
+    pub output_tokens: u64,
+    /// Mean think (tool) time between a turn's completion and the next turn, microseconds.
+    pub think_us: u64,
+    /// Number of distinct system prompts shared across sessions (0 = none).
+    pub system_prompts: usize,
+    /// Tokens of each system prompt (fixed).
+    pub system_prompt_tokens: u64,
+    /// Session arrival rate, sessions per second.
+    pub session_rate: f64,
+    /// A session ends when its context would exceed this many tokens.
+    pub max_context_tokens: u64,
+}
+
+impl Default for AgenticParams {
+    fn default() -> Self {
+        AgenticParams {
+            sessions: 400,
+            turns: 12,
+            first_turn_tokens: 1500,
+            growth_tokens: 1000,
+            output_tokens: 300,
+            think_us: 2_000_000,
+            system_prompts: 4,
+            system_prompt_tokens: 4096,
+            session_rate: 1.0,
+            max_context_tokens: 131_072,
+        }
+    }
+}
+
+/// An exponential draw with the given mean, at least `min`.
+fn exp_draw(rng: &mut ChaCha8Rng, mean: f64, min: f64) -> f64 {
+    let u: f64 = rng.random();
+    (-mean * (1.0 - u).ln()).max(min)
+}
+
+/// Generates the sessions' requests, session by session (each session's turns in order).
+pub fn agentic(params: &AgenticParams, block_tokens: u32, seed: u64) -> anyhow::Result<Trace> {
+    anyhow::ensure!(block_tokens > 0, "block tokens must be positive");
+    anyhow::ensure!(
+        params.session_rate.is_finite() && params.session_rate > 0.0,
+        "session rate must be positive"
+    );
+    let bt = block_tokens as u64;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut next_id = 0u64;
+    let mut fresh = || {
+        next_id += 1;
+        next_id - 1
+    };
+    let system_blocks = (params.system_prompt_tokens / bt) as usize;
+    let systems: Vec<Vec<u64>> = (0..params.system_prompts)
+        .map(|_| (0..system_blocks).map(|_| fresh()).collect())
+        .collect();
+
+    let mut requests = Vec::new();
+    let mut start_us = 0f64;
+    let lo = (params.turns / 2).max(1);
+    let hi = (params.turns + params.turns / 2).max(lo);
+    for _ in 0..params.sessions {
+        start_us += exp_draw(&mut rng, 1e6 / params.session_rate, 0.0);
+        let turns = rng.random_range(lo..=hi);
+        let (system, mut context) = if systems.is_empty() {
+            (&[][..], 0)
+        } else {
+            let s = &systems[rng.random_range(0..systems.len())];
+            (&s[..], params.system_prompt_tokens)
+        };
+        // Full blocks of the context so far: the system prompt's, then the session's own.
+        let mut full: Vec<u64> = system.to_vec();
+        context += exp_draw(&mut rng, params.first_turn_tokens as f64, 1.0) as u64;
+        let mut previous = None;
+        for _ in 0..turns {
+            if context > params.max_context_tokens {
+                break;
+            }
+            while (full.len() as u64 + 1) * bt <= context {
+                full.push(fresh());
+            }
+            let mut hash_ids = full.clone();
+            if context % bt != 0 {
+                hash_ids.push(fresh());
+            }
+            let output = exp_draw(&mut rng, params.output_tokens as f64, 1.0) as u64;
+            let think = exp_draw(&mut rng, params.think_us as f64, 0.0) as u64;
+            let index = requests.len();
+            requests.push(TraceRequest {
+                arrival_us: start_us as u64,
+                input_tokens: context,
+                output_tokens: output,
+                hash_ids,
+                follows: previous.map(|previous| FollowUp {
+                    previous,
+                    think_us: think,
+                }),
+            });
+            previous = Some(index);
+            context += output + exp_draw(&mut rng, params.growth_tokens as f64, 1.0) as u64;
+        }
+    }
+    Trace::new(block_tokens, requests)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_turn_resends_the_previous_turns_full_blocks() {
+        let params = AgenticParams {
+            sessions: 5,
+            ..AgenticParams::default()
+        };
+        let trace = agentic(&params, 512, 7).unwrap();
+        for (i, r) in trace.requests.iter().enumerate() {
+            if let Some(f) = r.follows {
+                let prev = trace.keys(f.previous);
+                let keys = trace.keys(i);
+                assert!(keys.len() >= prev.len());
+                assert_eq!(
+                    &keys[..prev.len()],
+                    &prev[..],
+                    "turn {i} extends its previous turn"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_generator_is_deterministic_for_a_seed() {
+        let params = AgenticParams {
+            sessions: 20,
+            ..AgenticParams::default()
+        };
+        assert_eq!(
+            agentic(&params, 512, 1).unwrap(),
+            agentic(&params, 512, 1).unwrap()
+        );
+        assert_ne!(
+            agentic(&params, 512, 1).unwrap(),
+            agentic(&params, 512, 2).unwrap()
+        );
+    }
+}
