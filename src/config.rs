@@ -230,6 +230,10 @@ impl ServeArgs {
 
 /// Adds the settings of a `--config` TOML file to `argv` as flags, for every setting that was
 /// not given as a flag or environment variable. `matches` are the `serve` matches of `argv`.
+///
+/// Every setting in the file is checked (name, type and value, with the flag's own parser), also
+/// those a flag or environment variable overrides: a broken file is an error, reported on one
+/// line naming the file and the setting.
 pub fn merge_config_file(
     argv: &mut Vec<OsString>,
     matches: &ArgMatches,
@@ -237,8 +241,16 @@ pub fn merge_config_file(
 ) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read config file {}", path.display()))?;
-    let table: toml::Table =
-        toml::from_str(&text).with_context(|| format!("invalid TOML in {}", path.display()))?;
+    let table: toml::Table = toml::from_str(&text).map_err(|e| {
+        let (line, column) = e
+            .span()
+            .map_or((1, 1), |span| line_column(&text, span.start));
+        anyhow::anyhow!(
+            "{}: invalid TOML at line {line}, column {column}: {}",
+            path.display(),
+            e.message().trim()
+        )
+    })?;
     let command = ServeArgs::augment_args(clap::Command::new("serve"));
     for (key, value) in table {
         let id = key.replace('-', "_");
@@ -254,29 +266,65 @@ pub fn merge_config_file(
                 path.display()
             );
         }
+        let flag: OsString = format!(
+            "--{}",
+            arg.get_long().expect("every serve setting is a long flag")
+        )
+        .into();
+        let is_switch = !arg.get_action().takes_values();
+        if is_switch != value.is_bool() {
+            bail!(
+                "{}: {key} must be {}, got a TOML {}",
+                path.display(),
+                if is_switch {
+                    "true or false"
+                } else {
+                    "a value (string or number)"
+                },
+                value.type_str()
+            );
+        }
+        let args: Vec<OsString> = match value {
+            toml::Value::Boolean(true) => vec![flag],
+            toml::Value::Boolean(false) => vec![],
+            toml::Value::String(s) => vec![flag, s.into()],
+            toml::Value::Integer(i) => vec![flag, i.to_string().into()],
+            toml::Value::Float(f) => vec![flag, f.to_string().into()],
+            other => bail!(
+                "{}: {key} must be a string or a number, got a TOML {}",
+                path.display(),
+                other.type_str()
+            ),
+        };
+        let alone = std::iter::once(OsString::from("serve")).chain(args.iter().cloned());
+        if let Err(e) = command.clone().try_get_matches_from(alone) {
+            bail!("{}: {key}: {}", path.display(), clap_error_line(&e));
+        }
         if matches!(
             matches.value_source(&id),
             Some(ValueSource::CommandLine | ValueSource::EnvVariable)
         ) {
             continue;
         }
-        let flag = format!(
-            "--{}",
-            arg.get_long().expect("every serve setting is a long flag")
-        );
-        match value {
-            toml::Value::Boolean(true) => argv.push(flag.into()),
-            toml::Value::Boolean(false) => {}
-            toml::Value::String(s) => argv.extend([flag.into(), s.into()]),
-            toml::Value::Integer(i) => argv.extend([flag.into(), i.to_string().into()]),
-            toml::Value::Float(f) => argv.extend([flag.into(), f.to_string().into()]),
-            other => bail!(
-                "{}: {key} must be a string, number or boolean, not {other}",
-                path.display()
-            ),
-        }
+        argv.extend(args);
     }
     Ok(())
+}
+
+/// The first line of a clap error, without its `error: ` prefix (clap adds usage and a hint on
+/// further lines).
+pub fn clap_error_line(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let line = text.lines().next().unwrap_or_default();
+    line.strip_prefix("error: ").unwrap_or(line).to_string()
+}
+
+/// 1-based line and column of byte `offset` in `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
 }
 
 /// Parses `ServeArgs` from full serve matches (after merging).

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Extension, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -42,8 +43,13 @@ pub fn app(state: AppState, max_body_bytes: usize) -> HttpRouter {
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(Extension(BodyLimit(max_body_bytes)))
         .with_state(state)
 }
+
+/// The configured body limit (`--max-body-bytes`), for the 413 message.
+#[derive(Debug, Clone, Copy)]
+struct BodyLimit(usize);
 
 /// An error reply: a status and a one-line message.
 struct ApiError(StatusCode, String);
@@ -57,6 +63,30 @@ impl IntoResponse for ApiError {
 fn bad_request(reason: RejectReason, detail: String) -> ApiError {
     reject(&Rejection::new(reason, detail.clone()), "http");
     ApiError(StatusCode::BAD_REQUEST, detail)
+}
+
+/// The request body, or a one-line error: over `--max-body-bytes` is a counted `413`, not
+/// axum's plain-text rejection.
+fn body_bytes(body: Result<Bytes, BytesRejection>, limit: BodyLimit) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        let status = rejection.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            let detail = format!(
+                "request body exceeds the limit of {} bytes (--max-body-bytes)",
+                limit.0
+            );
+            reject(
+                &Rejection::new(RejectReason::OversizePayload, detail.clone()),
+                "http",
+            );
+            ApiError(status, detail)
+        } else {
+            ApiError(
+                status,
+                format!("cannot read the request body: {}", rejection.body_text()),
+            )
+        }
+    })
 }
 
 fn is_msgpack(headers: &HeaderMap) -> bool {
@@ -184,9 +214,15 @@ fn route_request(state: &AppState, body: RouteBody) -> Result<RouteRequest, ApiE
     })
 }
 
-async fn route(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+async fn route(
+    State(state): State<AppState>,
+    Extension(limit): Extension<BodyLimit>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let started = Instant::now();
     let response = async {
+        let body = body_bytes(body, limit)?;
         let body: RouteBody = parse_body(&headers, &body)?;
         let request = route_request(&state, body)?;
         match state.writer.apply(Input::Route(request), "http").await {
@@ -213,8 +249,14 @@ struct ReleaseBody {
     reservation: u64,
 }
 
-async fn release(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+async fn release(
+    State(state): State<AppState>,
+    Extension(limit): Extension<BodyLimit>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = async {
+        let body = body_bytes(body, limit)?;
         let body: ReleaseBody = parse_body(&headers, &body)?;
         match state
             .writer

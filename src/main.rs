@@ -2,14 +2,14 @@
 
 use std::ffi::OsString;
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use kvrouted::config::{merge_config_file, LogFormat, PolicyArgs, ServeArgs};
+use kvrouted::config::{clap_error_line, merge_config_file, LogFormat, PolicyArgs, ServeArgs};
 use kvrouted::journal::{self, Journal};
 use kvrouted::replay::replay;
 use kvrouted::router::Output;
@@ -69,8 +69,10 @@ enum JournalCommand {
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only on a terminal: log files and journald get plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -85,7 +87,10 @@ fn parse() -> anyhow::Result<Cli> {
     if let Some(("serve", serve)) = matches.subcommand() {
         if let Some(path) = serve.get_one::<PathBuf>("config") {
             merge_config_file(&mut argv, serve, path)?;
-            let matches = Cli::command().try_get_matches_from(argv)?;
+            // Flags and environment were valid above, so an error here comes from the file.
+            let matches = Cli::command()
+                .try_get_matches_from(argv)
+                .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), clap_error_line(&e)))?;
             return Ok(Cli::from_arg_matches(&matches)?);
         }
     }
@@ -112,7 +117,7 @@ fn main() -> ExitCode {
         }
         Command::Replay(args) => run_replay(&args),
         Command::Journal(JournalCommand::Export { data_dir, out }) => (|| {
-            let journal = Journal::open(&data_dir)?;
+            let journal = Journal::open_existing(&data_dir)?;
             let n = journal::write_export(&journal, &out)?;
             eprintln!(
                 "exported {n} journal entries from {} to {}",
@@ -136,10 +141,10 @@ fn run_replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     let (snapshot, entries): (_, Box<dyn Iterator<Item = _>>) =
         match (&args.data_dir, &args.journal) {
             (Some(dir), _) => {
-                let journal = Journal::open(dir)?;
+                let journal = Journal::open_existing(dir)?;
                 let (snapshot, after) = journal::replay_start(&journal)?;
-                let entries: Vec<_> = journal.entries_after(after).collect();
-                (snapshot, Box::new(entries.into_iter()))
+                // Streamed: a journal can be far larger than memory.
+                (snapshot, Box::new(journal.entries_after(after)))
             }
             (None, Some(file)) => {
                 let (snapshot, reader) = journal::read_export(file)?;
