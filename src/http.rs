@@ -314,7 +314,10 @@ async fn readyz(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    if !s.caught_up.load(Ordering::Acquire) {
+    let subscribed = s.core_subscribed.load(Ordering::Acquire);
+    let subscriptions_live =
+        subscribed > 0 && subscribed >= s.core_expected.load(Ordering::Acquire);
+    if !s.caught_up.load(Ordering::Acquire) || !subscriptions_live {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "catching_up"})),

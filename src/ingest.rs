@@ -2,7 +2,7 @@
 //! consumer (or core NATS with `--no-jetstream`), load samples from core NATS. Each message is
 //! decoded here, outside the single writer, and handed over as a finished input.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +22,9 @@ pub struct Status {
     pub recovered: AtomicBool,
     /// The JetStream backlog present at start has been consumed.
     pub caught_up: AtomicBool,
+    /// Core-NATS subscriptions the server has confirmed, and how many ingest needs.
+    pub core_subscribed: AtomicUsize,
+    pub core_expected: AtomicUsize,
     pub nats_connected: AtomicBool,
 }
 
@@ -117,10 +120,18 @@ async fn run_core(
     subject: String,
     settings: Arc<IngestSettings>,
     writer: WriterHandle,
+    status: Arc<Status>,
 ) {
+    let mut counted = false;
     loop {
         match client.subscribe(subject.clone()).await {
             Ok(mut sub) => {
+                // The flush round-trips to the server, so once it returns the subscription is
+                // live there: readiness then means samples published from now on arrive.
+                if client.flush().await.is_ok() && !counted {
+                    status.core_subscribed.fetch_add(1, Ordering::AcqRel);
+                    counted = true;
+                }
                 tracing::info!(subject, "subscribed");
                 while let Some(msg) = sub.next().await {
                     match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
@@ -246,11 +257,14 @@ pub async fn run(
     let settings = Arc::new(settings);
     let prefix = settings.subject_prefix.clone();
     let mut tasks = tokio::task::JoinSet::new();
+    let expected = if settings.jetstream { 1 } else { 3 };
+    status.core_expected.store(expected, Ordering::Release);
     tasks.spawn(run_core(
         client.clone(),
         format!("{prefix}.load.>"),
         settings.clone(),
         writer.clone(),
+        status.clone(),
     ));
     if settings.jetstream {
         tasks.spawn(run_jetstream(client, settings.clone(), writer, status));
@@ -262,6 +276,7 @@ pub async fn run(
                 format!("{prefix}.{kind}.>"),
                 settings.clone(),
                 writer.clone(),
+                status.clone(),
             ));
         }
     }

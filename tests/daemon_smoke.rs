@@ -48,6 +48,7 @@ async fn a_published_prefix_routes_to_its_owner_over_http() {
 async fn the_http_examples_in_schemas_are_accepted() {
     let nats = Nats::start();
     let daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
     let worker = Worker::connect(&nats.url(), "worker-1").await;
     worker.load(0.1).await;
     eventually("the worker is known", || async {
@@ -64,6 +65,12 @@ async fn the_http_examples_in_schemas_are_accepted() {
         assert_eq!(body["worker"], "worker-1");
     }
     let (status, body) = daemon.post("/v1/release", &example("release.json")).await;
-    assert_eq!(status, 404, "release.json decodes; reservation 42 is unknown here: {body}");
-    assert!(body["error"].as_str().unwrap().contains("42"), "the error names the reservation");
+    assert_eq!(
+        status, 404,
+        "release.json decodes; reservation 42 is unknown here: {body}"
+    );
+    assert!(
+        body["error"].as_str().unwrap().contains("42"),
+        "the error names the reservation"
+    );
 }

@@ -1,10 +1,11 @@
-//! `kvrouted serve`: recovery, then the writer, the flusher, NATS ingest and the HTTP API.
+//! `kvrouted serve`: the HTTP port (answering "recovering" meanwhile), recovery, then the writer,
+//! the flusher, NATS ingest and the HTTP API.
 
 pub mod writer;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
@@ -15,15 +16,20 @@ use crate::input::Input;
 use crate::journal::Journal;
 use crate::metrics;
 use crate::replay::replay;
+use crate::router::{Router, RouterConfig};
+use metrics_exporter_prometheus::PrometheusHandle;
 use writer::{apply_journaled, Clock, PendingAcks, WriterSettings};
 
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let prometheus = metrics::install()?;
-    let status = Arc::new(Status::default());
-    let config = args.router_config();
+/// What recovery hands to the running daemon.
+struct Recovered {
+    journal: Journal,
+    router: Router,
+    clock: Clock,
+}
 
-    // Recovery: the latest snapshot plus the journal after it. Failing to open the data dir is
-    // fatal: never start with a silently empty index.
+/// Loads the latest snapshot, replays the journal after it, and journals this start's settings.
+/// Failing to open or read the data dir is fatal: never start with a silently empty index.
+fn recover(args: &ServeArgs, config: RouterConfig) -> anyhow::Result<Recovered> {
     let started = Instant::now();
     let journal = Journal::open(&args.data_dir)?;
     let snapshot = journal.latest_snapshot()?;
@@ -37,14 +43,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )
     .context("recovering from the journal")?;
     let mut clock = Clock::new(last_at);
-    apply_journaled(
-        &mut router,
-        &journal,
-        &mut clock,
-        Input::Configure(Box::new(config.clone())),
-        "start",
-    );
-    apply_journaled(&mut router, &journal, &mut clock, Input::Resume, "start");
+    for input in [Input::Configure(Box::new(config)), Input::Resume] {
+        if !apply_journaled(&mut router, &journal, &mut clock, input, "start").journaled {
+            anyhow::bail!("cannot write to the journal in {}", args.data_dir.display());
+        }
+    }
     journal.flush()?;
     let recovery = started.elapsed();
     ::metrics::gauge!("kvrouted_recovery_seconds").set(recovery.as_secs_f64());
@@ -58,27 +61,72 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         took_ms = recovery.as_millis() as u64,
         "state recovered"
     );
-    status.recovered.store(true, Ordering::Release);
-
-    let pending = Arc::new(PendingAcks::default());
-    let (writer, writer_thread) = writer::spawn(
+    Ok(Recovered {
+        journal,
         router,
-        journal.clone(),
         clock,
-        pending.clone(),
-        WriterSettings {
-            snapshot_interval: args.snapshot_interval,
-            journal_max_age: args.journal_max_age,
-            journal_max_bytes: args.journal_max_bytes,
-        },
-    );
-    tokio::spawn(writer::run_flusher(
-        journal.clone(),
-        pending,
-        args.flush_interval,
-    ));
+    })
+}
 
-    // NATS: connect in the background and keep retrying; routes are served meanwhile.
+/// The HTTP API while the state is being recovered: `/healthz` says the process is up,
+/// `/readyz` says `recovering` (503), everything else is a 503 too. Every reply closes its
+/// connection so that no client keeps talking to this server once the real API takes over.
+fn recovering_app(prometheus: PrometheusHandle) -> axum::Router {
+    use axum::http::{header, HeaderValue, StatusCode};
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::get;
+    use axum::Json;
+    use serde_json::json;
+    axum::Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route(
+            "/readyz",
+            get(|| async {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Json(json!({"status": "recovering"})),
+                )
+            }),
+        )
+        .route("/metrics", get(move || async move { prometheus.render() }))
+        .fallback(|| async {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(json!({"error": "recovering state from the journal; not ready yet"})),
+            )
+        })
+        .layer(axum::middleware::map_response(|mut r: Response| async {
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            r.into_response()
+        }))
+}
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let prometheus = metrics::install()?;
+    let status = Arc::new(Status::default());
+    let config = args.router_config();
+
+    // The HTTP port first, so that probes see the process up and not ready while a large state
+    // is recovered; the real API takes the same socket afterwards.
+    let socket = std::net::TcpListener::bind(args.http_addr)
+        .with_context(|| format!("cannot listen on {} (--http-addr)", args.http_addr))?;
+    socket.set_nonblocking(true)?;
+    let (recovered_tx, recovered_rx) = tokio::sync::oneshot::channel::<()>();
+    let recovering_server = {
+        let listener = tokio::net::TcpListener::from_std(socket.try_clone()?)?;
+        let app = recovering_app(prometheus.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = recovered_rx.await;
+                })
+                .await;
+        })
+    };
+
+    // NATS: connect in the background (meanwhile recovery runs) and keep retrying; routes are
+    // served while it is down.
     let events_status = status.clone();
     let client = async_nats::ConnectOptions::new()
         .name("kvrouted")
@@ -104,15 +152,57 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .connect(&args.nats_url)
         .await
         .with_context(|| format!("invalid NATS url {}", args.nats_url))?;
+    let recovered = {
+        let args = args.clone();
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || recover(&args, config))
+            .await
+            .context("recovery panicked")??
+    };
+    let Recovered {
+        journal,
+        router,
+        clock,
+    } = recovered;
+    // Resume the stream where the journal stands, before ingest starts (and while `/readyz`
+    // still says recovering). Only now that this process holds the data dir's lock.
+    if !args.no_jetstream {
+        rewind_consumer(&client, &args.stream, &args.consumer).await;
+    }
+    // Hand the socket over: the recovering server stops accepting (connections arriving
+    // meanwhile wait in the backlog), then the real API serves them.
+    let _ = recovered_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(2), recovering_server).await;
+    status.recovered.store(true, Ordering::Release);
+
+    let pending = Arc::new(PendingAcks::default());
+    let (writer, writer_thread) = writer::spawn(
+        router,
+        journal.clone(),
+        clock,
+        pending.clone(),
+        WriterSettings {
+            snapshot_interval: args.snapshot_interval,
+            journal_max_age: args.journal_max_age,
+            journal_max_bytes: args.journal_max_bytes,
+        },
+    );
+    tokio::spawn(writer::run_flusher(
+        journal.clone(),
+        pending.clone(),
+        args.flush_interval,
+    ));
+
+    let settings = IngestSettings {
+        subject_prefix: args.subject_prefix.clone(),
+        stream: args.stream.clone(),
+        consumer: args.consumer.clone(),
+        jetstream: !args.no_jetstream,
+        max_payload_bytes: args.max_body_bytes,
+    };
     tokio::spawn(ingest::run(
         client.clone(),
-        IngestSettings {
-            subject_prefix: args.subject_prefix.clone(),
-            stream: args.stream.clone(),
-            consumer: args.consumer.clone(),
-            jetstream: !args.no_jetstream,
-            max_payload_bytes: args.max_body_bytes,
-        },
+        settings,
         writer.clone(),
         status.clone(),
     ));
@@ -139,9 +229,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         });
     }
 
-    let listener = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .with_context(|| format!("cannot listen on {} (--http-addr)", args.http_addr))?;
+    let listener = tokio::net::TcpListener::from_std(socket)?;
     tracing::info!(http = %listener.local_addr()?, nats = args.nats_url, "kvrouted serving");
     let app = http::app(
         AppState {
@@ -160,9 +248,90 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!("shutting down: writing a final snapshot");
     writer.shutdown().await;
     let _ = tokio::task::spawn_blocking(move || writer_thread.join()).await;
-    client.flush().await.ok();
+    // The final snapshot flushed the journal: ack what it covers, so a clean restart does not
+    // see those messages again.
+    writer::flush_and_ack(&journal, &pending).await;
+    // With the broker down a flush would wait forever: give it a moment, then stop anyway.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), client.flush()).await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Rewinds our durable consumer to its ack floor when a previous process left messages
+/// delivered but unacked (a crash, or a stop between a flush and its acks).
+///
+/// JetStream would redeliver those only after the consumer's `ack_wait`; until then the index
+/// would miss them even though everything after them is applied. Each replica owns its durable
+/// consumer, so nobody else reads from it: recreating it with the same settings, starting after
+/// the last acked (hence durably journaled) message, redelivers them now. Redelivered batches
+/// that were journaled after all are skipped by their `Kv-Seq`. A stream whose retention is not
+/// `limits` (interest or work queue) could drop messages while the consumer is gone, so it is
+/// left alone. Any failure leaves the consumer as it was; ingest then starts as usual.
+async fn rewind_consumer(client: &async_nats::Client, stream: &str, consumer: &str) {
+    use async_nats::connection::State;
+    use async_nats::jetstream::{self, consumer::DeliverPolicy, stream::RetentionPolicy};
+    // Only with the broker reachable now: a daemon started while NATS is down must not wait.
+    let connecting = Instant::now();
+    while client.connection_state() != State::Connected {
+        if connecting.elapsed() > Duration::from_secs(1) {
+            tracing::warn!(
+                consumer,
+                "NATS not connected at start: the JetStream consumer is not rewound; messages a \
+                 previous process left unacked come back after ack_wait"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let attempt = async {
+        let js = jetstream::new(client.clone());
+        let Ok(mut stream) = js.get_stream(stream).await else {
+            return Ok(None); // first start: ingest creates it
+        };
+        let retention = stream
+            .info()
+            .await
+            .map_err(|e| e.to_string())?
+            .config
+            .retention;
+        let Ok(info) = stream.consumer_info(consumer).await else {
+            return Ok(None);
+        };
+        if info.num_ack_pending == 0 || retention != RetentionPolicy::Limits {
+            return Ok(None);
+        }
+        let from = info.ack_floor.stream_sequence + 1;
+        let mut config = info.config.clone();
+        config.deliver_policy = DeliverPolicy::ByStartSequence {
+            start_sequence: from,
+        };
+        stream
+            .delete_consumer(consumer)
+            .await
+            .map_err(|e| format!("delete: {e}"))?;
+        stream
+            .create_consumer(config)
+            .await
+            .map_err(|e| format!("recreate: {e}"))?;
+        Ok::<_, String>(Some((from, info.num_ack_pending)))
+    };
+    match tokio::time::timeout(Duration::from_secs(10), attempt).await {
+        Ok(Ok(Some((from, unacked)))) => tracing::info!(
+            consumer,
+            from_stream_seq = from,
+            unacked,
+            "rewound the JetStream consumer to its ack floor: unacked messages are redelivered now"
+        ),
+        Ok(Ok(None)) => {}
+        Ok(Err(e)) => tracing::warn!(
+            consumer,
+            "could not rewind the JetStream consumer (unacked messages come back after ack_wait): {e}"
+        ),
+        Err(_) => tracing::warn!(
+            consumer,
+            "timed out rewinding the JetStream consumer; unacked messages come back after ack_wait"
+        ),
+    }
 }
 
 async fn shutdown_signal() {

@@ -4,9 +4,13 @@
 //! Journal appends land in sled's memory; a separate flusher makes them durable every
 //! `flush_interval` (group commit) and only then acks the JetStream messages they came from, so
 //! the writer never waits for the disk and a crash never loses an acked event.
+//!
+//! Every `snapshot_interval` the writer copies the state (its only pause for a snapshot); a
+//! snapshot thread encodes and writes the copy, then applies journal retention. The final
+//! snapshot at shutdown is written by the writer itself, after any periodic one in progress.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -39,7 +43,10 @@ enum Command {
 #[derive(Default)]
 pub struct PendingAcks {
     acks: Mutex<VecDeque<(u64, Acker)>>,
+    /// Last sequence appended to the journal (at the end of a writer burst).
     appended: AtomicU64,
+    /// Last sequence known durable.
+    flushed: AtomicU64,
 }
 
 /// Handle to the writer; cheap to clone.
@@ -144,7 +151,7 @@ pub fn apply_journaled(
     clock: &mut Clock,
     input: Input,
     source: &str,
-) -> (u64, Output) {
+) -> Applied {
     let seq = router.last_seq() + 1;
     let stamped = Stamped {
         seq,
@@ -157,18 +164,33 @@ pub fn apply_journaled(
         input: stamped.input,
         outcome: RouteOutcome::of(&output),
     };
-    match journal.append(seq, &entry) {
+    let journaled = match journal.append(seq, &entry) {
         Ok(bytes) => {
             ::metrics::counter!("kvrouted_journal_bytes_total").increment(bytes as u64);
             ::metrics::counter!("kvrouted_journal_entries_total").increment(1);
+            true
         }
         Err(e) => {
             ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
             tracing::error!(seq, "journal append failed: {e}");
+            false
         }
-    }
+    };
     metrics::record_output(&output, source);
-    (seq, output)
+    Applied {
+        seq,
+        output,
+        journaled,
+    }
+}
+
+/// The result of [`apply_journaled`].
+pub struct Applied {
+    pub seq: u64,
+    pub output: Output,
+    /// The entry is in the journal (durable at the next flush). When not, the message it came
+    /// from must not be acked: it stays pending and JetStream delivers it again.
+    pub journaled: bool,
 }
 
 /// Starts the writer thread. Returns its handle and the join handle.
@@ -183,6 +205,7 @@ pub fn spawn(
     let thread = std::thread::Builder::new()
         .name("kvrouted-writer".into())
         .spawn(move || {
+            let mut snapshotter = Snapshotter::start(journal.clone(), &settings);
             let mut last_snapshot = Instant::now();
             while let Some(first) = rx.blocking_recv() {
                 let mut next = Some(first);
@@ -197,13 +220,13 @@ pub fn spawn(
                             reply,
                             ack,
                         } => {
-                            let (seq, output) =
+                            let applied =
                                 apply_journaled(&mut router, &journal, &mut clock, input, source);
-                            if let Some(ack) = ack {
-                                pending.acks.lock().unwrap().push_back((seq, ack));
+                            if let Some(ack) = ack.filter(|_| applied.journaled) {
+                                pending.acks.lock().unwrap().push_back((applied.seq, ack));
                             }
                             if let Some(reply) = reply {
-                                let _ = reply.send(output);
+                                let _ = reply.send(applied.output);
                             }
                         }
                         Command::Query(f) => f(&router, clock.now()),
@@ -219,13 +242,16 @@ pub fn spawn(
                 }
                 pending.appended.store(router.last_seq(), Ordering::Release);
                 if let Some(done) = shutdown {
-                    write_snapshot(&router, &journal, &mut clock, &settings);
+                    // Let a periodic snapshot in progress finish, then write the final one here.
+                    snapshotter.stop();
+                    let snapshot = take_snapshot(&router, &mut clock);
+                    write_snapshot(&journal, &snapshot, &settings.retention());
                     let _ = journal.flush();
                     let _ = done.send(());
                     return;
                 }
-                if last_snapshot.elapsed() >= settings.snapshot_interval {
-                    write_snapshot(&router, &journal, &mut clock, &settings);
+                if last_snapshot.elapsed() >= settings.snapshot_interval && snapshotter.idle() {
+                    snapshotter.submit(take_snapshot(&router, &mut clock));
                     last_snapshot = Instant::now();
                 }
             }
@@ -234,12 +260,26 @@ pub fn spawn(
     (WriterHandle { tx }, thread)
 }
 
-fn write_snapshot(
-    router: &Router,
-    journal: &Journal,
-    clock: &mut Clock,
-    settings: &WriterSettings,
-) {
+/// Retention settings, as the snapshot thread applies them.
+#[derive(Clone, Copy)]
+struct Retention {
+    max_age_ms: u64,
+    max_bytes: u64,
+}
+
+impl WriterSettings {
+    fn retention(&self) -> Retention {
+        Retention {
+            max_age_ms: self.journal_max_age.as_millis() as u64,
+            max_bytes: self.journal_max_bytes,
+        }
+    }
+}
+
+/// A copy of the state as of the last applied input. Copying is the only part of a snapshot the
+/// writer thread pays for (tens of milliseconds per million blocks); encoding and writing it,
+/// several times longer, happen on the snapshot thread while routing goes on.
+fn take_snapshot(router: &Router, clock: &mut Clock) -> Snapshot {
     let started = Instant::now();
     let snapshot = Snapshot {
         seq: router.last_seq(),
@@ -247,19 +287,79 @@ fn write_snapshot(
         config: router.config().clone(),
         state: router.state().clone(),
     };
-    match journal.write_snapshot(&snapshot) {
+    ::metrics::gauge!("kvrouted_snapshot_copy_seconds").set(started.elapsed().as_secs_f64());
+    snapshot
+}
+
+/// The thread that writes periodic snapshots and applies journal retention after each.
+struct Snapshotter {
+    tx: Option<std::sync::mpsc::SyncSender<Snapshot>>,
+    busy: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Snapshotter {
+    fn start(journal: Journal, settings: &WriterSettings) -> Snapshotter {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Snapshot>(1);
+        let busy = Arc::new(AtomicBool::new(false));
+        let retention = settings.retention();
+        let thread = {
+            let busy = busy.clone();
+            std::thread::Builder::new()
+                .name("kvrouted-snapshot".into())
+                .spawn(move || {
+                    for snapshot in rx {
+                        write_snapshot(&journal, &snapshot, &retention);
+                        drop(snapshot);
+                        busy.store(false, Ordering::Release);
+                    }
+                })
+                .expect("spawn snapshot thread")
+        };
+        Snapshotter {
+            tx: Some(tx),
+            busy,
+            thread: Some(thread),
+        }
+    }
+
+    /// Whether the previous snapshot is written (so taking another is worth it).
+    fn idle(&self) -> bool {
+        !self.busy.load(Ordering::Acquire)
+    }
+
+    fn submit(&mut self, snapshot: Snapshot) {
+        self.busy.store(true, Ordering::Release);
+        if let Some(tx) = &self.tx {
+            if tx.try_send(snapshot).is_err() {
+                self.busy.store(false, Ordering::Release);
+            }
+        }
+    }
+
+    /// Waits for a snapshot in progress and ends the thread.
+    fn stop(&mut self) {
+        self.tx.take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn write_snapshot(journal: &Journal, snapshot: &Snapshot, retention: &Retention) {
+    let started = Instant::now();
+    match journal.write_snapshot(snapshot) {
         Ok(bytes) => {
             let pruned = journal
-                .prune(
-                    snapshot.at_ms,
-                    settings.journal_max_age.as_millis() as u64,
-                    settings.journal_max_bytes,
-                )
+                .prune(snapshot.at_ms, retention.max_age_ms, retention.max_bytes)
                 .unwrap_or_else(|e| {
                     tracing::error!("journal retention failed: {e}");
                     0
                 });
             ::metrics::gauge!("kvrouted_snapshot_seconds").set(started.elapsed().as_secs_f64());
+            if let Ok(bytes) = journal.journal_bytes() {
+                ::metrics::gauge!("kvrouted_journal_size_bytes").set(bytes as f64);
+            }
             tracing::info!(
                 seq = snapshot.seq,
                 bytes,
@@ -274,34 +374,37 @@ fn write_snapshot(
 
 /// Group commit: flushes the journal every `interval` and then acks the messages it covers.
 pub async fn run_flusher(journal: Journal, pending: Arc<PendingAcks>, interval: Duration) {
-    let mut flushed = 0u64;
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        let upto = pending.appended.load(Ordering::Acquire);
-        if upto == flushed {
-            continue;
-        }
-        if let Err(e) = journal.flush_async().await {
-            ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
-            tracing::error!(
-                "journal flush failed (messages stay unacked and will be redelivered): {e}"
-            );
-            continue;
-        }
-        flushed = upto;
-        let ready: Vec<Acker> = {
-            let mut acks = pending.acks.lock().unwrap();
-            let n = acks.iter().take_while(|(seq, _)| *seq <= upto).count();
-            acks.drain(..n).map(|(_, a)| a).collect()
-        };
-        for acker in ready {
-            if let Err(e) = acker.ack().await {
-                tracing::debug!(
-                    "ack failed (message will be redelivered, sequence dedupes it): {e}"
-                );
-            }
+        flush_and_ack(&journal, &pending).await;
+    }
+}
+
+/// Makes every journal entry appended so far durable, then acks the messages they hold. Nothing
+/// is acked if the flush fails: those messages stay unacked and are redelivered.
+pub async fn flush_and_ack(journal: &Journal, pending: &PendingAcks) {
+    let upto = pending.appended.load(Ordering::Acquire);
+    if upto == pending.flushed.load(Ordering::Acquire) {
+        return;
+    }
+    if let Err(e) = journal.flush_async().await {
+        ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
+        tracing::error!(
+            "journal flush failed (messages stay unacked and will be redelivered): {e}"
+        );
+        return;
+    }
+    pending.flushed.fetch_max(upto, Ordering::AcqRel);
+    let ready: Vec<Acker> = {
+        let mut acks = pending.acks.lock().unwrap();
+        let n = acks.iter().take_while(|(seq, _)| *seq <= upto).count();
+        acks.drain(..n).map(|(_, a)| a).collect()
+    };
+    for acker in ready {
+        if let Err(e) = acker.ack().await {
+            tracing::debug!("ack failed (message will be redelivered, sequence dedupes it): {e}");
         }
     }
 }

@@ -16,6 +16,8 @@ pub use export::replay_start;
 pub use export::{read_export, write_export, ExportReader};
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -89,6 +91,8 @@ pub enum JournalError {
         found: u32,
         supported: u32,
     },
+    #[error("{dir} is not a kvrouted data dir (no journal there); check --data-dir")]
+    NotADataDir { dir: String },
     #[error("cannot open data dir {dir}: {source}")]
     Open { dir: String, source: sled::Error },
     #[error("journal storage error: {0}")]
@@ -101,12 +105,52 @@ pub enum JournalError {
 
 pub type Result<T, E = JournalError> = std::result::Result<T, E>;
 
+/// Stamps the schema version of the data dir at `dir` (which no process may hold open), without
+/// checking the one already there. For migrations and for tests of the refusal of a future
+/// version.
+pub fn write_schema_version(dir: &Path, version: u32) -> Result<()> {
+    let db = sled::Config::new()
+        .path(dir)
+        .open()
+        .map_err(|e| open_error(dir, e))?;
+    db.open_tree("meta")?
+        .insert("schema_version", &version.to_be_bytes())?;
+    db.flush()?;
+    Ok(())
+}
+
+fn open_error(dir: &Path, e: sled::Error) -> JournalError {
+    let dir = dir.display().to_string();
+    match e {
+        sled::Error::Io(ref io)
+            if io.kind() == std::io::ErrorKind::WouldBlock
+                || io.to_string().contains("could not acquire lock") =>
+        {
+            JournalError::Locked { dir }
+        }
+        source => JournalError::Open { dir, source },
+    }
+}
+
 /// The journal and snapshots in one sled database.
 #[derive(Clone)]
 pub struct Journal {
     db: sled::Db,
     entries: sled::Tree,
     snapshots: sled::Tree,
+    bytes: Arc<ByteCount>,
+}
+
+/// The encoded size of the journal, kept up to date so that retention does not rescan it after
+/// every snapshot. The entries that were there at open are counted once, on the first retention
+/// check (off the writer thread); appends and drops since are added up as they happen.
+struct ByteCount {
+    /// Last sequence number journaled when the dir was opened.
+    at_open_upto: Option<u64>,
+    /// Bytes of the entries up to `at_open_upto`, counted when first needed.
+    at_open: OnceLock<u64>,
+    appended: AtomicU64,
+    dropped: AtomicU64,
 }
 
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
@@ -121,6 +165,10 @@ impl Journal {
     /// Opens (or creates) the data dir. Refuses a dir locked by another process or written by a
     /// newer schema, with an error that says which.
     pub fn open(dir: &Path) -> Result<Journal> {
+        Journal::open_inner(dir, true)
+    }
+
+    fn open_inner(dir: &Path, create: bool) -> Result<Journal> {
         let shown = dir.display().to_string();
         std::fs::create_dir_all(dir).map_err(|e| JournalError::Open {
             dir: shown.clone(),
@@ -130,18 +178,7 @@ impl Journal {
             .path(dir)
             .mode(sled::Mode::HighThroughput)
             .open()
-            .map_err(|e| match e {
-                sled::Error::Io(ref io)
-                    if io.kind() == std::io::ErrorKind::WouldBlock
-                        || io.to_string().contains("could not acquire lock") =>
-                {
-                    JournalError::Locked { dir: shown.clone() }
-                }
-                e => JournalError::Open {
-                    dir: shown.clone(),
-                    source: e,
-                },
-            })?;
+            .map_err(|e| open_error(dir, e))?;
         let meta = db.open_tree("meta")?;
         match meta.get("schema_version")? {
             Some(v) => {
@@ -159,15 +196,41 @@ impl Journal {
                     });
                 }
             }
-            None => {
+            None if create => {
                 meta.insert("schema_version", &SCHEMA_VERSION.to_be_bytes())?;
             }
+            None => return Err(JournalError::NotADataDir { dir: shown }),
         }
+        let entries = db.open_tree("journal")?;
+        let at_open_upto = entries.last()?.map(|(k, _)| seq_of(&k));
         Ok(Journal {
-            entries: db.open_tree("journal")?,
+            entries,
             snapshots: db.open_tree("snapshots")?,
             db,
+            bytes: Arc::new(ByteCount {
+                at_open_upto,
+                at_open: OnceLock::new(),
+                appended: AtomicU64::new(0),
+                dropped: AtomicU64::new(0),
+            }),
         })
+    }
+
+    /// Opens the data dir of an existing daemon, for reading it (`replay`, `journal export`):
+    /// unlike [`Journal::open`], a missing dir or one that holds no kvrouted journal is an error,
+    /// not a new empty journal.
+    pub fn open_existing(dir: &Path) -> Result<Journal> {
+        let not_a_data_dir = || JournalError::NotADataDir {
+            dir: dir.display().to_string(),
+        };
+        if dir.exists() && !dir.is_dir() {
+            // Let `open` say why it cannot be used (not a directory).
+            return Journal::open(dir);
+        }
+        if !dir.join("db").is_file() {
+            return Err(not_a_data_dir());
+        }
+        Journal::open_inner(dir, false)
     }
 
     /// Appends one entry (in memory until the next flush). Returns its encoded size.
@@ -175,6 +238,7 @@ impl Journal {
         let bytes = encode(entry);
         let len = bytes.len();
         self.entries.insert(seq.to_be_bytes(), bytes)?;
+        self.bytes.appended.fetch_add(len as u64, Ordering::Relaxed);
         Ok(len)
     }
 
@@ -255,12 +319,7 @@ impl Journal {
         let Some(covered) = self.snapshots.first()?.map(|(k, _)| seq_of(&k)) else {
             return Ok(0);
         };
-        let mut total: u64 = self
-            .entries
-            .iter()
-            .values()
-            .map(|v| v.map(|v| v.len() as u64))
-            .sum::<Result<u64, _>>()?;
+        let mut total = self.journal_bytes()?;
         let mut dropped = 0;
         for item in self.entries.range(..=covered.to_be_bytes()) {
             let (k, v) = item?;
@@ -274,10 +333,33 @@ impl Journal {
                 break;
             }
             self.entries.remove(&k)?;
-            total -= v.len() as u64;
+            self.bytes
+                .dropped
+                .fetch_add(v.len() as u64, Ordering::Relaxed);
+            total = total.saturating_sub(v.len() as u64);
             dropped += 1;
         }
         Ok(dropped)
+    }
+
+    /// Encoded bytes of the journal entries kept (what retention's `max_bytes` bounds). The first
+    /// call reads the sizes of the entries that were there at open; later calls are O(1).
+    pub fn journal_bytes(&self) -> Result<u64> {
+        let at_open = match self.bytes.at_open.get() {
+            Some(&n) => n,
+            None => {
+                let mut n = 0;
+                if let Some(upto) = self.bytes.at_open_upto {
+                    for item in self.entries.range(..=upto.to_be_bytes()) {
+                        n += item?.1.len() as u64;
+                    }
+                }
+                *self.bytes.at_open.get_or_init(|| n)
+            }
+        };
+        let appended = self.bytes.appended.load(Ordering::Relaxed);
+        let dropped = self.bytes.dropped.load(Ordering::Relaxed);
+        Ok((at_open + appended).saturating_sub(dropped))
     }
 
     /// Bytes on disk of the whole data dir.
@@ -289,3 +371,6 @@ impl Journal {
         self.entries.len()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -5,7 +5,7 @@
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use kvrouted::hashing::block_keys;
@@ -130,13 +130,47 @@ impl Drop for Nats {
     }
 }
 
+/// Runs `cmd` to completion (killing it and failing if it outlives [`DEADLINE`]); returns its
+/// exit status, stdout and stderr.
+pub fn run_to_exit(mut cmd: Command) -> (ExitStatus, String, String) {
+    let dir = TempDir::new().unwrap();
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("start command");
+    let start = Instant::now();
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status, read(&out), read(&err));
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{cmd:?} still running after {DEADLINE:?}; stderr:\n{}",
+                read(&err)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The kvrouted daemon under test.
 pub struct Daemon {
     child: Option<Child>,
+    /// Where the test talks HTTP to it (and, with `pass_http_addr`, what `--http-addr` says).
     pub http: SocketAddr,
     pub data_dir: PathBuf,
     nats_url: String,
     extra: Vec<String>,
+    /// Environment variables set on the process (e.g. `KVROUTED_...` settings).
+    pub env: Vec<(String, String)>,
+    /// Whether `--http-addr` is passed; off when the address comes from a file or the environment.
+    pub pass_http_addr: bool,
     log: PathBuf,
     _dir: Option<TempDir>,
     client: reqwest::Client,
@@ -148,37 +182,55 @@ const TEST_FLAGS: &[&str] = &["--tick-interval", "100ms", "--flush-interval", "5
 impl Daemon {
     /// Starts a daemon with a fresh data dir.
     pub async fn start(nats_url: &str, extra: &[&str]) -> Daemon {
-        let dir = TempDir::new().unwrap();
-        let data_dir = dir.path().join("data");
-        let mut d = Daemon {
-            child: None,
-            http: SocketAddr::from(([127, 0, 0, 1], free_port())),
-            log: dir.path().join("kvrouted.log"),
-            data_dir,
-            nats_url: nats_url.to_string(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-            _dir: Some(dir),
-            client: reqwest::Client::new(),
-        };
+        let mut d = Daemon::new(nats_url, extra);
         d.restart().await;
         d
     }
 
+    /// A daemon with a fresh data dir and HTTP port, not started yet: adjust `env`,
+    /// `pass_http_addr`, `http` or `data_dir`, then [`Daemon::restart`].
+    pub fn new(nats_url: &str, extra: &[&str]) -> Daemon {
+        let dir = TempDir::new().unwrap();
+        Daemon {
+            child: None,
+            http: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            log: dir.path().join("kvrouted.log"),
+            data_dir: dir.path().join("data"),
+            nats_url: nats_url.to_string(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
+            pass_http_addr: true,
+            _dir: Some(dir),
+            client: reqwest::Client::new(),
+        }
+    }
+
     pub fn command(&self) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
-        cmd.arg("serve")
-            .args(["--nats-url", &self.nats_url])
-            .args(["--http-addr", &self.http.to_string()])
-            .arg("--data-dir")
+        cmd.arg("serve").args(["--nats-url", &self.nats_url]);
+        if self.pass_http_addr {
+            cmd.args(["--http-addr", &self.http.to_string()]);
+        }
+        cmd.arg("--data-dir")
             .arg(&self.data_dir)
             .args(TEST_FLAGS)
             .args(&self.extra)
             .env("RUST_LOG", "info");
+        // Only the settings a test gives: none leak in from the environment running the tests.
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("KVROUTED_") {
+                cmd.env_remove(k);
+            }
+        }
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
         cmd
     }
 
     /// Starts the process (again) on the same data dir and port, and waits for /healthz.
-    pub async fn restart(&mut self) {
+    /// Starts the process (again) on the same data dir and port without waiting for anything.
+    pub fn spawn(&mut self) {
         assert!(self.child.is_none(), "daemon already running");
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -192,7 +244,14 @@ impl Daemon {
             .spawn()
             .expect("start kvrouted");
         self.child = Some(child);
-        let url = self.url("/healthz");
+    }
+
+    /// Starts the process (again) on the same data dir and port, and waits until its API is up:
+    /// the state is recovered (`/readyz` answers and no longer says `recovering`; `/healthz`
+    /// already answers during recovery).
+    pub async fn restart(&mut self) {
+        self.spawn();
+        let url = self.url("/readyz");
         let client = self.client.clone();
         let start = Instant::now();
         loop {
@@ -202,8 +261,11 @@ impl Daemon {
                     self.log_text()
                 );
             }
-            if client.get(&url).send().await.is_ok() {
-                break;
+            if let Ok(r) = client.get(&url).send().await {
+                let v: Value = r.json().await.unwrap_or(Value::Null);
+                if v["status"] != "recovering" {
+                    break;
+                }
             }
             assert!(
                 start.elapsed() < DEADLINE,
@@ -228,6 +290,24 @@ impl Daemon {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// SIGTERM; waits up to [`DEADLINE`] for the exit. `None` if the process is still running
+    /// then (it is left to the drop's SIGKILL).
+    pub fn terminate_within_deadline(&mut self) -> Option<ExitStatus> {
+        let c = self.child.as_mut().expect("daemon running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        let start = Instant::now();
+        while start.elapsed() < DEADLINE {
+            if let Some(status) = c.try_wait().unwrap() {
+                self.child = None;
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
     }
 
     /// SIGTERM and wait for a clean exit.
@@ -283,6 +363,31 @@ impl Daemon {
         (r.status().as_u16(), r.text().await.unwrap_or_default())
     }
 
+    /// `POST` raw bytes; returns (status, content type, body bytes).
+    pub async fn post_bytes(
+        &self,
+        path: &str,
+        content_type: &str,
+        body: Vec<u8>,
+    ) -> (u16, String, Vec<u8>) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let ct = r
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        (status, ct, r.bytes().await.unwrap_or_default().to_vec())
+    }
+
     pub async fn get(&self, path: &str) -> (u16, String) {
         let r = self.client.get(self.url(path)).send().await.unwrap();
         (r.status().as_u16(), r.text().await.unwrap())
@@ -327,6 +432,98 @@ impl Daemon {
                     .and_then(|rest| rest.trim().parse().ok())
             })
             .unwrap_or(0.0)
+    }
+
+    /// `kvrouted_route_decisions_total{decision="<label>"}`.
+    pub async fn decisions(&self, label: &str) -> f64 {
+        self.metric(&format!(
+            "kvrouted_route_decisions_total{{decision=\"{label}\"}}"
+        ))
+        .await
+    }
+
+    /// `kvrouted_inputs_rejected_total{reason="<reason>"}`.
+    pub async fn rejected(&self, reason: &str) -> f64 {
+        self.metric(&format!(
+            "kvrouted_inputs_rejected_total{{reason=\"{reason}\"}}"
+        ))
+        .await
+    }
+
+    /// Polls /metrics until `series` has reached `at_least`; returns its value.
+    pub async fn wait_metric(&self, series: &str, at_least: f64) -> f64 {
+        eventually(&format!("{series} reaches {at_least}"), || async {
+            let v = self.metric(series).await;
+            (v >= at_least).then_some(v)
+        })
+        .await
+    }
+
+    /// Polls until `kvrouted_inputs_rejected_total{reason}` has reached `at_least`.
+    pub async fn wait_rejected(&self, reason: &str, at_least: f64) -> f64 {
+        self.wait_metric(
+            &format!("kvrouted_inputs_rejected_total{{reason=\"{reason}\"}}"),
+            at_least,
+        )
+        .await
+    }
+
+    /// The `/v1/workers` row of worker `id`, if it is listed.
+    pub async fn worker(&self, id: &str) -> Option<Value> {
+        self.workers().await["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["id"] == id)
+            .cloned()
+    }
+
+    /// Polls `/v1/workers` until worker `id` shows the pressure of a [`Worker::load`] sample
+    /// with this `kv_usage`: the daemon has applied it (load travels on core NATS, unordered
+    /// with events).
+    pub async fn wait_load(&self, id: &str, kv_usage: f64) {
+        let expected = Worker::pressure_of(kv_usage);
+        eventually(
+            &format!("{id}'s pressure {expected} is visible"),
+            || async {
+                let p = self.worker(id).await?["pressure"].as_f64()?;
+                ((p - expected).abs() < 1e-9).then_some(())
+            },
+        )
+        .await
+    }
+
+    /// Polls `/v1/workers` until worker `id` owns `blocks` blocks by KV events.
+    pub async fn wait_blocks(&self, id: &str, blocks: u64) {
+        eventually(&format!("{id} owns {blocks} blocks"), || async {
+            (self.worker(id).await?["blocks"].as_u64()? == blocks).then_some(())
+        })
+        .await
+    }
+
+    /// Polls `/v1/workers` until worker `id` is listed with `state` (active | draining).
+    pub async fn wait_state(&self, id: &str, state: &str) {
+        eventually(&format!("{id} is listed as {state}"), || async {
+            (self.worker(id).await?["state"] == state).then_some(())
+        })
+        .await
+    }
+
+    /// Polls `/readyz` until its `status` is `status` (HTTP code aside); returns the reply.
+    pub async fn wait_readyz(&self, status: &str) -> (u16, Value) {
+        eventually(&format!("/readyz says {status}"), || async {
+            let (code, text) = self.get("/readyz").await;
+            let v: Value = serde_json::from_str(&text).ok()?;
+            (v["status"] == status).then_some((code, v))
+        })
+        .await
+    }
+
+    /// Runs the daemon's command to its exit, which must come within [`DEADLINE`] (for starts
+    /// that are meant to fail). Returns the status and stderr.
+    pub fn run_expecting_exit(&self) -> (ExitStatus, String) {
+        let (status, _, stderr) = run_to_exit(self.command());
+        (status, stderr)
     }
 }
 
@@ -422,6 +619,50 @@ impl Worker {
             medium: Some("GPU".into()),
         }])
         .await;
+    }
+
+    /// The pressure the daemon derives from a [`Worker::load`] sample: one running request of
+    /// 64 counts as 1/64 of queue pressure.
+    pub fn pressure_of(kv_usage: f64) -> f64 {
+        kv_usage.max(1.0 / 64.0)
+    }
+
+    /// Publishes raw bytes on core NATS (flushed): for load subjects, or anything a broken
+    /// publisher might send.
+    pub async fn publish_core(&self, subject: &str, payload: Vec<u8>) {
+        self.client
+            .publish(subject.to_string(), payload.into())
+            .await
+            .unwrap();
+        self.client.flush().await.unwrap();
+    }
+
+    /// Publishes raw bytes (and headers) through JetStream and waits for the stream's ack: for
+    /// the event and lifecycle subjects the stream captures.
+    pub async fn publish_js(
+        &self,
+        subject: &str,
+        headers: async_nats::HeaderMap,
+        payload: Vec<u8>,
+    ) {
+        let js = async_nats::jetstream::new(self.client.clone());
+        js.publish_with_headers(subject.to_string(), headers, payload.into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stream ack");
+    }
+
+    /// Waits until this worker's connection to the broker is up (after a broker restart).
+    pub async fn wait_connected(&self) {
+        eventually(
+            &format!("worker {} reconnects to NATS", self.id),
+            || async {
+                (self.client.connection_state() == async_nats::connection::State::Connected)
+                    .then_some(())
+            },
+        )
+        .await
     }
 
     /// Publishes a load sample on core NATS (`kv.load.<id>`).

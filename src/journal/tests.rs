@@ -1,0 +1,319 @@
+//! The journal on a real sled dir: retention bounds, size accounting, export, refusals.
+
+use super::*;
+use crate::input::{KvEvent, KvEventBatch, LoadSample, Medium, RouteRequest, Stamped, StoredBlock};
+use crate::replay::replay;
+use crate::router::Router;
+
+fn tick(at_ms: u64) -> JournalEntry {
+    JournalEntry {
+        at_ms,
+        input: Input::Tick,
+        outcome: None,
+    }
+}
+
+fn snapshot_at(journal: &Journal, seq: u64) {
+    let router = Router::new(RouterConfig::default());
+    journal
+        .write_snapshot(&Snapshot {
+            seq,
+            at_ms: seq,
+            config: router.config().clone(),
+            state: router.state().clone(),
+        })
+        .unwrap();
+}
+
+/// A journal of `n` ticks, the entry with sequence s stamped at s ms.
+fn ticks(dir: &Path, n: u64) -> Journal {
+    let journal = Journal::open(dir).unwrap();
+    for seq in 1..=n {
+        journal.append(seq, &tick(seq)).unwrap();
+    }
+    journal
+}
+
+/// Opens `dir` again in this process. sled lets go of its lock shortly after the previous
+/// handle is dropped (its I/O threads finish first), so a reopen polls until it can.
+fn reopen(dir: &Path, open: fn(&Path) -> Result<Journal>) -> Result<Journal> {
+    let started = std::time::Instant::now();
+    loop {
+        match open(dir) {
+            Err(JournalError::Locked { .. })
+                if started.elapsed() < std::time::Duration::from_secs(10) =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn scanned_bytes(journal: &Journal) -> u64 {
+    journal
+        .entries
+        .iter()
+        .values()
+        .map(|v| v.unwrap().len() as u64)
+        .sum()
+}
+
+#[test]
+fn retention_never_drops_an_entry_the_oldest_kept_snapshot_does_not_cover() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = ticks(dir.path(), 100);
+    assert_eq!(
+        journal.prune(1_000, 0, 0).unwrap(),
+        0,
+        "without a snapshot nothing is covered, so nothing is dropped"
+    );
+    snapshot_at(&journal, 40);
+    snapshot_at(&journal, 80);
+    journal.prune(1_000, 0, 0).unwrap();
+    assert_eq!(
+        journal.first_seq().unwrap(),
+        Some(41),
+        "entries up to the oldest kept snapshot go, none after it"
+    );
+    snapshot_at(&journal, 90);
+    journal.prune(1_000, 0, 0).unwrap();
+    assert_eq!(
+        journal.oldest_snapshot().unwrap().map(|s| s.seq),
+        Some(80),
+        "two snapshots are kept"
+    );
+    assert_eq!(journal.first_seq().unwrap(), Some(81));
+    assert_eq!(journal.last_seq().unwrap(), Some(100));
+}
+
+#[test]
+fn retention_by_age_drops_covered_entries_older_than_the_limit_and_stops_at_the_first_young_one() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = ticks(dir.path(), 100);
+    snapshot_at(&journal, 60);
+    snapshot_at(&journal, 70);
+    // Now = 100 ms, max age 70 ms: entries stamped before 30 ms are too old.
+    let dropped = journal.prune(100, 70, u64::MAX).unwrap();
+    assert_eq!(dropped, 29);
+    assert_eq!(journal.first_seq().unwrap(), Some(30));
+}
+
+#[test]
+fn retention_by_size_drops_the_oldest_covered_entries_until_the_journal_fits() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = ticks(dir.path(), 100);
+    snapshot_at(&journal, 90);
+    let per_entry = scanned_bytes(&journal) / 100;
+    journal.prune(100, u64::MAX, per_entry * 25).unwrap();
+    assert_eq!(journal.first_seq().unwrap(), Some(76), "the newest 25 fit");
+    assert_eq!(journal.journal_bytes().unwrap(), per_entry * 25);
+}
+
+#[test]
+fn the_journal_size_is_counted_across_reopen_appends_and_drops() {
+    let dir = tempfile::TempDir::new().unwrap();
+    {
+        let journal = ticks(dir.path(), 50);
+        assert_eq!(journal.journal_bytes().unwrap(), scanned_bytes(&journal));
+        journal.flush().unwrap();
+    }
+    let journal = reopen(dir.path(), Journal::open).unwrap();
+    for seq in 51..=80 {
+        journal.append(seq, &tick(seq)).unwrap();
+    }
+    assert_eq!(
+        journal.journal_bytes().unwrap(),
+        scanned_bytes(&journal),
+        "entries from before the reopen are counted once, appends since are added"
+    );
+    snapshot_at(&journal, 60);
+    journal.prune(1_000, 0, 0).unwrap();
+    assert_eq!(
+        journal.journal_bytes().unwrap(),
+        scanned_bytes(&journal),
+        "dropped entries are subtracted"
+    );
+}
+
+fn worker(i: u64) -> WorkerId {
+    WorkerId::new(&format!("w{i}")).unwrap()
+}
+
+/// Inputs of a small fleet: stores, loads, routes over the stored prefixes.
+fn traffic(i: u64) -> Input {
+    let w = i % 3;
+    match i % 4 {
+        0 | 1 => Input::KvEvents(KvEventBatch {
+            worker: worker(w),
+            model: None,
+            dp_rank: 0,
+            seq: Some(i + 1),
+            events: vec![KvEvent::Stored {
+                parent: None,
+                blocks: (0..4)
+                    .map(|b| StoredBlock {
+                        engine_hash: i * 100 + b,
+                        local: (i % 7) * 10 + b,
+                    })
+                    .collect(),
+                block_size: 16,
+                lora: None,
+                medium: Medium::Gpu,
+            }],
+        }),
+        2 => Input::Load(LoadSample {
+            worker: worker(w),
+            kv_usage: (i % 10) as f64 / 10.0,
+            running: 1,
+            waiting: 0,
+            max_running: Some(8),
+            model: None,
+        }),
+        _ => Input::Route(RouteRequest {
+            model: None,
+            lora: None,
+            keys: crate::hashing::chain_locals((0..4).map(|b| (i % 7) * 10 + b)),
+            prompt_tokens: 64,
+            max_output_tokens: None,
+            exclude: Vec::new(),
+            request_id: Some(format!("r{i}")),
+            explain: false,
+        }),
+    }
+}
+
+/// Runs `n` inputs through a router and the journal, with a snapshot every 100.
+fn recorded_run(journal: &Journal, n: u64) -> Router {
+    let mut router = Router::new(RouterConfig::default());
+    for i in 0..n {
+        let stamped = Stamped {
+            seq: i + 1,
+            at_ms: 1_000 + i * 10,
+            input: traffic(i),
+        };
+        let output = router.apply(&stamped);
+        journal
+            .append(
+                stamped.seq,
+                &JournalEntry {
+                    at_ms: stamped.at_ms,
+                    input: stamped.input,
+                    outcome: RouteOutcome::of(&output),
+                },
+            )
+            .unwrap();
+        if stamped.seq % 100 == 0 {
+            journal
+                .write_snapshot(&Snapshot {
+                    seq: stamped.seq,
+                    at_ms: stamped.at_ms,
+                    config: router.config().clone(),
+                    state: router.state().clone(),
+                })
+                .unwrap();
+        }
+    }
+    router
+}
+
+#[test]
+fn an_export_of_a_pruned_journal_carries_its_oldest_snapshot_and_replays_every_decision_after_it() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let data = dir.path().join("data");
+    let journal = Journal::open(&data).unwrap();
+    let live = recorded_run(&journal, 450);
+    // Snapshots at 300 and 400 are kept; everything up to 300 may go.
+    journal.prune(u64::MAX / 2, 0, 0).unwrap();
+    assert_eq!(journal.first_seq().unwrap(), Some(301));
+    let (start, after) = replay_start(&journal).unwrap();
+    assert_eq!(
+        (start.as_ref().map(|s| s.seq), after),
+        (Some(300), 300),
+        "an audit of a pruned journal starts from its oldest snapshot"
+    );
+
+    let file = dir.path().join("journal.kvj");
+    assert_eq!(write_export(&journal, &file).unwrap(), 150);
+    let (snapshot, reader) = read_export(&file).unwrap();
+    assert_eq!(snapshot.as_ref().map(|s| s.seq), Some(300));
+    let (replayed, stats) = replay(snapshot, reader, &|_| {}, |_, _, _| {}).unwrap();
+    assert_eq!(stats.entries, 150);
+    assert!(stats.decisions > 30, "the tail holds routes: {stats:?}");
+    assert_eq!(
+        stats.changed, 0,
+        "every decision after the snapshot is re-derived"
+    );
+    assert_eq!(replayed.ownerships(), live.ownerships());
+    assert_eq!(replayed.last_seq(), 450);
+}
+
+#[test]
+fn a_complete_journal_exports_without_a_snapshot_and_replays_from_nothing() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = Journal::open(&dir.path().join("data")).unwrap();
+    let live = recorded_run(&journal, 250);
+    let file = dir.path().join("journal.kvj");
+    assert_eq!(write_export(&journal, &file).unwrap(), 250);
+    let (snapshot, reader) = read_export(&file).unwrap();
+    assert!(snapshot.is_none());
+    let (replayed, stats) = replay(None, reader, &|_| {}, |_, _, _| {}).unwrap();
+    assert_eq!((stats.entries, stats.changed), (250, 0));
+    assert_eq!(replayed.ownerships(), live.ownerships());
+}
+
+#[test]
+fn a_file_that_is_not_an_export_or_is_cut_short_is_an_error() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let other = dir.path().join("other");
+    std::fs::write(&other, b"{\"hello\": 1}\n").unwrap();
+    assert!(read_export(&other)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("is not a kvrouted journal export"));
+
+    let journal = Journal::open(&dir.path().join("data")).unwrap();
+    recorded_run(&journal, 20);
+    let file = dir.path().join("journal.kvj");
+    write_export(&journal, &file).unwrap();
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() - 5]).unwrap();
+    let (_, reader) = read_export(&file).unwrap();
+    let results: Vec<_> = reader.collect();
+    assert!(
+        matches!(results.last(), Some(Err(JournalError::Corrupt { .. }))),
+        "a truncated last record is reported, not silently dropped"
+    );
+}
+
+#[test]
+fn reading_a_missing_dir_or_one_without_a_journal_is_refused_and_creates_nothing() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let missing = dir.path().join("typo");
+    let err = Journal::open_existing(&missing).err().unwrap();
+    assert!(matches!(err, JournalError::NotADataDir { .. }), "{err}");
+    assert!(!missing.exists(), "nothing is created where nothing was");
+
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let err = Journal::open_existing(&empty).err().unwrap();
+    assert!(matches!(err, JournalError::NotADataDir { .. }), "{err}");
+    assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
+
+    let data = dir.path().join("data");
+    drop(ticks(&data, 3));
+    let journal = reopen(&data, Journal::open_existing).unwrap();
+    assert_eq!(journal.last_seq().unwrap(), Some(3));
+}
+
+#[test]
+fn a_dir_written_by_a_newer_schema_is_refused() {
+    let dir = tempfile::TempDir::new().unwrap();
+    write_schema_version(dir.path(), SCHEMA_VERSION + 1).unwrap();
+    let err = reopen(dir.path(), Journal::open).err().unwrap();
+    assert!(
+        matches!(err, JournalError::FutureSchema { found, .. } if found == SCHEMA_VERSION + 1),
+        "{err}"
+    );
+}

@@ -1,0 +1,932 @@
+//! Event sourcing end to end (DESIGN.md §8, §9, §11; issue 4): a real nats-server with
+//! JetStream, the real `kvrouted` binary on a real sled data dir. The daemon is killed with
+//! SIGKILL in the middle of an event burst and stopped cleanly with SIGTERM; its journal is
+//! replayed, exported, questioned with counterfactual settings; broken data dirs are refused.
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// Blocks per stored prompt (and per `BlockStored` batch): a typical KV event batch.
+const PROMPT_BLOCKS: usize = 32;
+
+/// Runs `kvrouted ARGS` to its exit; returns (success, exit code, stdout, stderr).
+fn kvrouted<I, S>(args: I) -> (bool, Option<i32>, String, String)
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
+    cmd.args(args).env("RUST_LOG", "info");
+    let (status, stdout, stderr) = run_to_exit(cmd);
+    (status.success(), status.code(), stdout, stderr)
+}
+
+/// The log without ANSI colour codes.
+fn plain(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ params final-byte
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The numeric `field=N` of a structured log line.
+fn field(line: &str, name: &str) -> Option<u64> {
+    let at = line.find(&format!(" {name}="))? + name.len() + 2;
+    line[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .ok()
+}
+
+/// The log lines (colour stripped) whose message contains `needle`.
+fn log_lines(daemon: &Daemon, needle: &str) -> Vec<String> {
+    plain(&daemon.log_text())
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The `replayed N entries: D decisions, C changed (P%)` report of `kvrouted replay`.
+#[derive(Debug, PartialEq)]
+struct ReplayReport {
+    entries: u64,
+    decisions: u64,
+    changed: u64,
+}
+
+fn replay_report(stdout: &str) -> ReplayReport {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("replayed "))
+        .unwrap_or_else(|| panic!("replay prints its report line; stdout:\n{stdout}"));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    // replayed N entries: D decisions, C changed (P%)
+    assert_eq!(
+        (words[0], words[2], words[4], words[6]),
+        ("replayed", "entries:", "decisions,", "changed"),
+        "report line format: {line}"
+    );
+    assert!(
+        words[7].starts_with('(') && words[7].ends_with("%)"),
+        "the report gives the changed share in percent: {line}"
+    );
+    let num = |w: &str| -> u64 {
+        w.parse()
+            .unwrap_or_else(|_| panic!("{w:?} in {line:?} is a count"))
+    };
+    ReplayReport {
+        entries: num(words[1]),
+        decisions: num(words[3]),
+        changed: num(words[5]),
+    }
+}
+
+/// The seq named by `first divergence at seq S: ...`, if printed.
+fn first_divergence(stdout: &str) -> Option<(u64, String)> {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("first divergence at seq "))?;
+    let rest = &line["first divergence at seq ".len()..];
+    let (seq, detail) = rest.split_once(':')?;
+    Some((seq.parse().ok()?, detail.trim().to_string()))
+}
+
+/// Whether the daemon's durable consumer has delivered everything in the stream and every
+/// delivered message is acked: all published events are applied and journaled durably.
+async fn consumer_settled(client: &async_nats::Client) -> Option<()> {
+    let js = async_nats::jetstream::new(client.clone());
+    let stream = js.get_stream("KVROUTED").await.ok()?;
+    let info = stream.consumer_info("kvrouted").await.ok()?;
+    (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+}
+
+/// A worker and the blocks it holds by its own account: prompt seed → engine hashes still
+/// resident, leading blocks first (tail evictions drop from the end).
+struct Ledger {
+    worker: Worker,
+    held: BTreeMap<u32, Vec<u64>>,
+    gone: Vec<u32>,
+    batches: u64,
+}
+
+impl Ledger {
+    fn blocks(&self) -> u64 {
+        self.held.values().map(|h| h.len() as u64).sum()
+    }
+
+    /// The seed of prompt `i` of worker `w`: distinct token streams for every (worker, i).
+    fn seed(w: usize, i: usize) -> u32 {
+        1 + (w * 1000 + i) as u32
+    }
+
+    /// Batch `i` of a churning cache: mostly stores of new 32-block prompts, every fourth batch
+    /// evicts the oldest prompt whole, and every fourth (offset) evicts the tail 8 blocks of the
+    /// newest full prompt.
+    async fn step(&mut self, w: usize, i: usize) {
+        match i % 4 {
+            3 if self.held.len() > 2 => {
+                let (&seed, _) = self.held.iter().next().unwrap();
+                let hashes = self.held.remove(&seed).unwrap();
+                self.worker.remove(hashes).await;
+                self.gone.push(seed);
+            }
+            1 if self.held.values().any(|h| h.len() == PROMPT_BLOCKS) => {
+                let hashes = self
+                    .held
+                    .values_mut()
+                    .rev()
+                    .find(|h| h.len() == PROMPT_BLOCKS)
+                    .unwrap();
+                let tail = hashes.split_off(PROMPT_BLOCKS - 8);
+                self.worker.remove(tail).await;
+            }
+            _ => {
+                let seed = Self::seed(w, i);
+                let hashes = self.worker.store(&prompt(seed, PROMPT_BLOCKS)).await;
+                self.held.insert(seed, hashes);
+            }
+        }
+        self.batches += 1;
+    }
+}
+
+/// The depth of worker `id` for `tokens`, from the `explain` rows of a route.
+async fn depth_of(daemon: &Daemon, tokens: &[u32], id: &str) -> u64 {
+    let (status, body) = daemon.route(tokens, json!({"explain": true})).await;
+    assert_eq!(status, 200, "{body}");
+    body["explain"]
+        .as_array()
+        .unwrap_or_else(|| panic!("an explained route lists every worker: {body}"))
+        .iter()
+        .find(|row| row["worker"] == id)
+        .unwrap_or_else(|| panic!("{id} is in the explain rows: {body}"))["depth"]
+        .as_u64()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_9_mid_burst_and_events_published_while_down_leave_every_block_owned_exactly_once() {
+    const WORKERS: usize = 4;
+    const BURST: usize = 200;
+    const WHILE_DOWN: usize = 40;
+    let nats = Nats::start();
+    let mut daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
+    let mut ledgers = Vec::new();
+    for w in 0..WORKERS {
+        ledgers.push(Ledger {
+            worker: Worker::connect(&nats.url(), &format!("w{w}")).await,
+            held: BTreeMap::new(),
+            gone: Vec::new(),
+            batches: 0,
+        });
+    }
+
+    // The burst: every worker publishes concurrently while the daemon is killed under it.
+    let published = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for (w, mut ledger) in ledgers.into_iter().enumerate() {
+        let published = published.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..BURST {
+                ledger.step(w, i).await;
+                published.fetch_add(1, Ordering::Relaxed);
+            }
+            ledger
+        }));
+    }
+    let total = (WORKERS * BURST) as u64;
+    eventually("the daemon has applied part of the burst", || async {
+        let applied: u64 = daemon.blocks().await.values().sum();
+        (applied >= 40 * PROMPT_BLOCKS as u64).then_some(())
+    })
+    .await;
+    daemon.kill9();
+    let at_kill = published.load(Ordering::Relaxed);
+    assert!(
+        at_kill < total,
+        "the kill lands in the middle of the burst ({at_kill} of {total} batches published)"
+    );
+    let mut ledgers = Vec::new();
+    for t in tasks {
+        ledgers.push(t.await.unwrap());
+    }
+
+    // While the daemon is down, the fleet keeps caching and evicting.
+    for (w, ledger) in ledgers.iter_mut().enumerate() {
+        for i in BURST..BURST + WHILE_DOWN {
+            ledger.step(w, i).await;
+        }
+    }
+
+    daemon.restart().await;
+    daemon.wait_ready().await;
+    let observer = async_nats::connect(nats.url()).await.unwrap();
+    eventually(
+        "the durable consumer has delivered and acked every message",
+        || consumer_settled(&observer),
+    )
+    .await;
+    let blocks = daemon.blocks().await;
+    for (w, ledger) in ledgers.iter().enumerate() {
+        let id = format!("w{w}");
+        assert_eq!(
+            blocks.get(&id).copied(),
+            Some(ledger.blocks()),
+            "{id} owns exactly the blocks its {} published batches leave resident \
+             (nothing lost across the kill, nothing applied twice)",
+            ledger.batches
+        );
+    }
+
+    assert_eq!(
+        daemon.metric("kvrouted_event_seq_gaps_total").await,
+        0.0,
+        "every worker's batches arrived in Kv-Seq order with none missing after the restart"
+    );
+
+    // Depth per prompt, as the routing policy sees it: a full prompt, a tail-evicted one and an
+    // evicted one, per worker.
+    for (w, ledger) in ledgers.iter().enumerate() {
+        let id = format!("w{w}");
+        let full = ledger
+            .held
+            .iter()
+            .find(|(_, h)| h.len() == PROMPT_BLOCKS)
+            .map(|(s, _)| *s)
+            .expect("a full prompt is resident");
+        let trimmed = ledger
+            .held
+            .iter()
+            .find(|(_, h)| h.len() < PROMPT_BLOCKS)
+            .map(|(s, _)| *s)
+            .expect("a tail-evicted prompt is resident");
+        let gone = *ledger.gone.last().expect("a prompt was evicted");
+        assert_eq!(
+            depth_of(&daemon, &prompt(full, PROMPT_BLOCKS), &id).await,
+            PROMPT_BLOCKS as u64,
+            "{id} holds every block of prompt {full}"
+        );
+        assert_eq!(
+            depth_of(&daemon, &prompt(trimmed, PROMPT_BLOCKS), &id).await,
+            ledger.held[&trimmed].len() as u64,
+            "{id} holds prompt {trimmed} up to its evicted tail"
+        );
+        assert_eq!(
+            depth_of(&daemon, &prompt(gone, PROMPT_BLOCKS), &id).await,
+            0,
+            "{id} holds nothing of evicted prompt {gone}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_sigterm_writes_a_snapshot_that_the_restart_recovers_from_before_turning_ready() {
+    let nats = Nats::start();
+    let mut daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
+    let mut a = Worker::connect(&nats.url(), "a").await;
+    let mut b = Worker::connect(&nats.url(), "b").await;
+    for seed in 1..=6 {
+        a.store(&prompt(seed, 8)).await;
+    }
+    let evicted = b.store(&prompt(100, 8)).await;
+    b.store(&prompt(101, 4)).await;
+    b.remove(evicted).await;
+    daemon.wait_blocks("a", 48).await;
+    daemon.wait_blocks("b", 4).await;
+
+    assert!(
+        daemon.terminate().success(),
+        "SIGTERM is a clean exit; log:\n{}",
+        daemon.log_text()
+    );
+    let written = log_lines(&daemon, "snapshot written");
+    let snapshot_seq = written
+        .last()
+        .and_then(|l| field(l, "seq"))
+        .unwrap_or_else(|| {
+            panic!(
+                "the shutdown logs its snapshot; log:\n{}",
+                daemon.log_text()
+            )
+        });
+    assert!(snapshot_seq > 0, "the snapshot covers the inputs applied");
+
+    // Poll readiness from the moment the process starts: it may say `recovering` (503), then
+    // `catching_up` or `ready`; whenever it says ready, the state must already be whole.
+    daemon.spawn();
+    let seen = std::sync::Mutex::new(Vec::<String>::new());
+    eventually("/readyz turns ready", || async {
+        // Not listening yet is not an answer.
+        let reply = reqwest::get(daemon.url("/readyz")).await.ok()?;
+        let code = reply.status().as_u16();
+        let text = reply.text().await.ok()?;
+        let v: Value = serde_json::from_str(&text).ok()?;
+        let status = v["status"].as_str()?.to_string();
+        {
+            let mut seen = seen.lock().unwrap();
+            if seen.last() != Some(&status) {
+                seen.push(status.clone());
+            }
+        }
+        match status.as_str() {
+            "recovering" | "catching_up" => {
+                assert_eq!(code, 503, "not ready is a 503: {v}");
+                None
+            }
+            "ready" => {
+                assert_eq!(code, 200);
+                let blocks = daemon.blocks().await;
+                assert_eq!(
+                    (blocks.get("a"), blocks.get("b")),
+                    (Some(&48), Some(&4)),
+                    "a daemon that says ready serves the recovered index"
+                );
+                Some(())
+            }
+            other => panic!("unexpected readiness {other:?} during a restart"),
+        }
+    })
+    .await;
+    let (code, health) = daemon.get("/healthz").await;
+    assert_eq!(code, 200, "{health}");
+    eprintln!(
+        "readiness seen during the restart: {:?}",
+        seen.lock().unwrap()
+    );
+    let recovered = log_lines(&daemon, "state recovered");
+    let line = recovered.last().expect("the restart logs its recovery");
+    assert_eq!(
+        field(line, "snapshot_seq"),
+        Some(snapshot_seq),
+        "recovery starts from the shutdown snapshot: {line}"
+    );
+    assert_eq!(
+        field(line, "replayed"),
+        Some(0),
+        "nothing was journaled after the final snapshot: {line}"
+    );
+    assert_eq!(
+        depth_of(&daemon, &prompt(3, 8), "a").await,
+        8,
+        "the recovered owner still holds its prefix"
+    );
+    assert_eq!(depth_of(&daemon, &prompt(100, 8), "b").await, 0);
+}
+
+/// What the gateway was told for one route: request id (if any), worker, decision.
+#[derive(Debug, Clone, PartialEq)]
+struct Told {
+    request_id: Option<String>,
+    worker: Option<String>,
+    decision: String,
+    seq: Option<u64>,
+}
+
+struct Gateway<'a> {
+    daemon: &'a Daemon,
+    told: Vec<Told>,
+}
+
+impl Gateway<'_> {
+    async fn route(&mut self, tokens: &[u32], extra: Value) -> Told {
+        let id = format!("r{}", self.told.len());
+        let mut body = json!({"request_id": id});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, reply) = self.daemon.route(tokens, body).await;
+        let told = match status {
+            200 => Told {
+                request_id: Some(id),
+                worker: reply["worker"].as_str().map(str::to_owned),
+                decision: reply["decision"].as_str().unwrap().to_owned(),
+                seq: reply["reservation"].as_u64(),
+            },
+            503 => Told {
+                request_id: None,
+                worker: None,
+                decision: "no_candidate".into(),
+                seq: None,
+            },
+            other => panic!("unexpected status {other}: {reply}"),
+        };
+        self.told.push(told.clone());
+        told
+    }
+}
+
+fn read_decisions(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: a JSON line: {l}")))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfactuals_count_changes()
+{
+    let nats = Nats::start();
+    let mut daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
+    let mut a = Worker::connect(&nats.url(), "a").await;
+    let b = Worker::connect(&nats.url(), "b").await;
+    let c = Worker::connect(&nats.url(), "c").await;
+    let owned: Vec<Vec<u32>> = (1..=6).map(|s| prompt(s, 8)).collect();
+    for p in &owned {
+        a.store(p).await;
+    }
+    for (w, usage) in [(&a, 0.2), (&b, 0.1), (&c, 0.3)] {
+        w.load(usage).await;
+        daemon.wait_load(&w.id, usage).await;
+    }
+    daemon.wait_blocks("a", 48).await;
+
+    let mut gw = Gateway {
+        daemon: &daemon,
+        told: Vec::new(),
+    };
+    for p in &owned {
+        let t = gw.route(p, json!({})).await;
+        assert_eq!(
+            (t.worker.as_deref(), t.decision.as_str()),
+            (Some("a"), "owner_hold")
+        );
+    }
+    let fresh: Vec<Vec<u32>> = (200..212).map(|s| prompt(s, 4)).collect();
+    for p in &fresh {
+        assert_eq!(gw.route(p, json!({})).await.decision, "cold_miss");
+    }
+    for p in &fresh[..6] {
+        assert_eq!(
+            gw.route(p, json!({"max_output_tokens": 64})).await.decision,
+            "owner_hold",
+            "a routed prompt's next turn holds on its approximate owner"
+        );
+    }
+    // The owner of the stored prefixes comes under pressure: its prefixes spill.
+    a.load(0.95).await;
+    daemon.wait_load("a", 0.95).await;
+    let spill = gw.route(&owned[0], json!({})).await;
+    assert_eq!(spill.decision, "pressure_spill", "{spill:?}");
+    gw.route(&owned[0], json!({})).await;
+    assert_eq!(
+        gw.route(&owned[1], json!({})).await.decision,
+        "pressure_spill"
+    );
+    for told in gw.told.clone().iter().step_by(5) {
+        let (status, _) = daemon
+            .post("/v1/release", &json!({"reservation": told.seq.unwrap()}))
+            .await;
+        assert_eq!(status, 200);
+    }
+    let none = gw
+        .route(&owned[2], json!({"exclude": ["a", "b", "c"]}))
+        .await;
+    assert_eq!(none.decision, "no_candidate");
+    let told_before_restart = gw.told;
+
+    // A clean restart in the middle: the replay crosses it, and the decisions after it were made
+    // on state recovered from a snapshot.
+    assert!(daemon.terminate().success());
+    daemon.restart().await;
+    daemon.wait_ready().await;
+    let mut gw = Gateway {
+        daemon: &daemon,
+        told: told_before_restart,
+    };
+    let after_restart = gw.route(&owned[2], json!({})).await;
+    assert_eq!(after_restart.decision, "pressure_spill");
+    for p in fresh.iter().take(8) {
+        gw.route(p, json!({})).await;
+    }
+    for s in 300..305 {
+        gw.route(&prompt(s, 2), json!({})).await;
+    }
+    let told = gw.told;
+    let mut labels: Vec<&str> = told.iter().map(|t| t.decision.as_str()).collect();
+    labels.sort();
+    labels.dedup();
+    assert!(
+        labels.len() >= 4,
+        "the run exercises several decision labels: {labels:?}"
+    );
+    assert!(daemon.terminate().success());
+
+    let dir = daemon.data_dir.clone();
+    let work = tempfile::TempDir::new().unwrap();
+    let out = work.path().join("decisions.jsonl");
+    let (ok, _, stdout, stderr) = kvrouted([
+        "replay".as_ref(),
+        "--data-dir".as_ref(),
+        dir.as_os_str(),
+        "--verify".as_ref(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert!(
+        ok,
+        "replay --verify of the daemon's own journal succeeds; stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    let report = replay_report(&stdout);
+    assert_eq!(
+        (report.decisions, report.changed),
+        (told.len() as u64, 0),
+        "every route is re-derived, none differs: {stdout}"
+    );
+    let replayed = read_decisions(&out);
+    assert_eq!(
+        replayed.len(),
+        told.len(),
+        "--out has one line per decision"
+    );
+    let by_request: HashMap<&str, &Value> = replayed
+        .iter()
+        .filter_map(|d| Some((d["request_id"].as_str()?, d)))
+        .collect();
+    for t in &told {
+        match &t.request_id {
+            Some(id) => {
+                let d = by_request[id.as_str()];
+                assert_eq!(
+                    (
+                        d["worker"].as_str(),
+                        d["decision"].as_str(),
+                        d["seq"].as_u64()
+                    ),
+                    (t.worker.as_deref(), Some(t.decision.as_str()), t.seq),
+                    "request {id} replays to what the gateway was told"
+                );
+            }
+            None => assert_eq!(
+                replayed
+                    .iter()
+                    .filter(|d| d["decision"] == "no_candidate")
+                    .count(),
+                1,
+                "the 503 replays as no_candidate"
+            ),
+        }
+    }
+
+    // The portable export replays to the same decision stream.
+    let exported = work.path().join("journal.kvj");
+    let (ok, _, _, stderr) = kvrouted([
+        "journal".as_ref(),
+        "export".as_ref(),
+        "--data-dir".as_ref(),
+        dir.as_os_str(),
+        "--out".as_ref(),
+        exported.as_os_str(),
+    ]);
+    assert!(ok, "journal export succeeds: {stderr}");
+    let out2 = work.path().join("decisions-from-export.jsonl");
+    let (ok, _, stdout, stderr) = kvrouted([
+        "replay".as_ref(),
+        "--journal".as_ref(),
+        exported.as_os_str(),
+        "--verify".as_ref(),
+        "--out".as_ref(),
+        out2.as_os_str(),
+    ]);
+    assert!(
+        ok,
+        "replay --verify of the export succeeds: {stdout}{stderr}"
+    );
+    assert_eq!(
+        replay_report(&stdout),
+        report,
+        "same report from the export"
+    );
+    assert_eq!(
+        read_decisions(&out2),
+        replayed,
+        "the export replays to the same decisions"
+    );
+
+    // Counterfactual: a ceiling of one owner per prefix forbids every spill.
+    let cf = |extra: &[&str], verify: bool| {
+        let mut args: Vec<std::ffi::OsString> = vec!["replay".into(), "--data-dir".into()];
+        args.push(dir.clone().into());
+        if verify {
+            args.push("--verify".into());
+        }
+        args.extend(extra.iter().map(Into::into));
+        kvrouted(args)
+    };
+    let (ok, _, stdout, stderr) = cf(&["--max-owners-per-prefix", "1"], false);
+    assert!(
+        ok,
+        "a counterfactual without --verify reports and succeeds: {stderr}"
+    );
+    assert!(
+        stderr.contains("counterfactual: max_owners_per_prefix: 4 -> 1"),
+        "the override is named: {stderr}"
+    );
+    let ceiling = replay_report(&stdout);
+    let spills = told
+        .iter()
+        .filter(|t| t.decision == "pressure_spill")
+        .count() as u64;
+    assert_eq!(ceiling.decisions, told.len() as u64);
+    assert!(
+        ceiling.changed >= spills && spills >= 3,
+        "each of the {spills} spills is a ceiling hold with one owner per prefix: {stdout}"
+    );
+    let (ok, code, stdout, _) = cf(&["--max-owners-per-prefix", "1"], true);
+    assert!(
+        !ok && code.is_some(),
+        "--verify fails on a divergence: {stdout}"
+    );
+    let (seq, detail) = first_divergence(&stdout)
+        .unwrap_or_else(|| panic!("--verify names the first divergent decision: {stdout}"));
+    assert_eq!(
+        Some(seq),
+        spill.seq,
+        "the first divergence is the first spill"
+    );
+    assert!(
+        detail.contains("pressure_spill") && detail.contains("ceiling_hold"),
+        "it says what was recorded and what the counterfactual decides: {detail}"
+    );
+    let (ok, _, stdout, _) = cf(&["--policy", "round_robin"], false);
+    assert!(ok);
+    let rr = replay_report(&stdout);
+    assert_eq!(rr.decisions, told.len() as u64);
+    assert!(
+        rr.changed > 0 && rr.changed <= rr.decisions,
+        "round robin moves some decisions: {stdout}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_pruned_by_retention_still_replays_every_decision_after_its_oldest_snapshot() {
+    let nats = Nats::start();
+    // A size bound of one byte: every snapshot lets retention drop all it covers.
+    let mut daemon = Daemon::start(
+        &nats.url(),
+        &["--snapshot-interval", "1s", "--journal-max-bytes", "1"],
+    )
+    .await;
+    daemon.wait_ready().await;
+    let mut a = Worker::connect(&nats.url(), "a").await;
+    let b = Worker::connect(&nats.url(), "b").await;
+    for seed in 1..=4 {
+        a.store(&prompt(seed, 4)).await;
+    }
+    a.load(0.2).await;
+    b.load(0.1).await;
+    daemon.wait_blocks("a", 16).await;
+    daemon.wait_load("b", 0.1).await;
+    let mut gw = Gateway {
+        daemon: &daemon,
+        told: Vec::new(),
+    };
+    for seed in (1..=4).chain(50..56) {
+        gw.route(&prompt(seed, 4), json!({})).await;
+    }
+    let pruned = eventually("a periodic snapshot prunes the journal", || async {
+        log_lines(&daemon, "snapshot written")
+            .iter()
+            .find_map(|l| field(l, "pruned").filter(|&n| n > 0))
+    })
+    .await;
+    let before_snapshot = gw.told.len();
+    // Routed after the snapshot (the next one is a second away): kept by retention.
+    for seed in (1..=4).chain(60..66) {
+        gw.route(&prompt(seed, 4), json!({})).await;
+    }
+    let kept: Vec<Told> = gw.told[before_snapshot..].to_vec();
+    assert!(daemon.terminate().success());
+
+    let dir = daemon.data_dir.clone();
+    let work = tempfile::TempDir::new().unwrap();
+    let out = work.path().join("decisions.jsonl");
+    let (ok, _, stdout, stderr) = kvrouted([
+        "replay".as_ref(),
+        "--data-dir".as_ref(),
+        dir.as_os_str(),
+        "--verify".as_ref(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert!(ok, "{stdout}{stderr}");
+    let report = replay_report(&stdout);
+    assert_eq!(
+        (report.decisions, report.changed),
+        (kept.len() as u64, 0),
+        "the {pruned} pruned entries are covered by the snapshot the replay starts from; every \
+         decision after it is re-derived: {stdout}"
+    );
+    let ids: Vec<String> = read_decisions(&out)
+        .iter()
+        .map(|d| d["request_id"].as_str().unwrap().to_string())
+        .collect();
+    let expected: Vec<String> = kept.iter().map(|t| t.request_id.clone().unwrap()).collect();
+    assert_eq!(
+        ids, expected,
+        "the decisions kept are the ones routed after the snapshot"
+    );
+
+    let exported = work.path().join("journal.kvj");
+    let (ok, _, _, stderr) = kvrouted([
+        "journal".as_ref(),
+        "export".as_ref(),
+        "--data-dir".as_ref(),
+        dir.as_os_str(),
+        "--out".as_ref(),
+        exported.as_os_str(),
+    ]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stdout, stderr) = kvrouted([
+        "replay".as_ref(),
+        "--journal".as_ref(),
+        exported.as_os_str(),
+        "--verify".as_ref(),
+    ]);
+    assert!(
+        ok,
+        "the export carries the snapshot it needs: {stdout}{stderr}"
+    );
+    assert_eq!(replay_report(&stdout), report);
+}
+
+/// The one line a refused start prints, asserting the process printed nothing else of note.
+fn the_error_line(stderr: &str) -> String {
+    let stderr = plain(stderr);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| l.starts_with("kvrouted:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "exactly one error line; stderr:\n{stderr}");
+    lines[0].to_string()
+}
+
+fn serve_args(data_dir: &Path, nats_url: &str) -> Vec<std::ffi::OsString> {
+    vec![
+        "serve".into(),
+        "--nats-url".into(),
+        nats_url.into(),
+        "--http-addr".into(),
+        format!("127.0.0.1:{}", free_port()).into(),
+        "--data-dir".into(),
+        data_dir.into(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_dir_locked_by_a_running_daemon_is_refused_with_one_line_and_a_failing_exit() {
+    let nats = Nats::start();
+    let mut daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
+    let dir = daemon.data_dir.clone();
+    for (what, args) in [
+        ("serve", serve_args(&dir, &nats.url())),
+        (
+            "replay",
+            vec!["replay".into(), "--data-dir".into(), dir.clone().into()],
+        ),
+        (
+            "journal export",
+            vec![
+                "journal".into(),
+                "export".into(),
+                "--data-dir".into(),
+                dir.clone().into(),
+                "--out".into(),
+                dir.join("never-written").into(),
+            ],
+        ),
+    ] {
+        let (ok, code, _, stderr) = kvrouted(args);
+        assert!(!ok && code.is_some(), "{what} on a locked data dir fails");
+        let line = the_error_line(&stderr);
+        assert!(
+            line.contains("in use by another kvrouted process")
+                && line.contains(&dir.display().to_string()),
+            "{what}: the error names the dir and the lock: {line}"
+        );
+    }
+    assert!(daemon.is_running(), "the running daemon is unaffected");
+    daemon.wait_ready().await;
+}
+
+#[test]
+fn replaying_or_exporting_a_data_dir_that_does_not_exist_is_an_error_not_an_empty_journal() {
+    let work = tempfile::TempDir::new().unwrap();
+    let missing = work.path().join("typo");
+    for args in [
+        vec!["replay".into(), "--data-dir".into(), missing.clone().into()],
+        vec![
+            "journal".into(),
+            "export".into(),
+            "--data-dir".into(),
+            missing.clone().into(),
+            "--out".into(),
+            work.path().join("out").into(),
+        ],
+    ] {
+        let (ok, code, stdout, stderr) = kvrouted::<_, std::ffi::OsString>(args);
+        assert!(!ok && code.is_some());
+        let line = the_error_line(&stderr);
+        assert!(
+            line.contains("is not a kvrouted data dir") && line.contains("typo"),
+            "{line}"
+        );
+        assert!(!stdout.contains("replayed"));
+    }
+    assert!(!missing.exists(), "no data dir is created by reading one");
+}
+
+#[test]
+fn a_data_dir_that_is_a_regular_file_is_refused_with_one_line_and_a_failing_exit() {
+    let work = tempfile::TempDir::new().unwrap();
+    let file = work.path().join("not-a-dir");
+    std::fs::write(&file, b"hello").unwrap();
+    for args in [
+        serve_args(&file, "nats://127.0.0.1:1"),
+        vec!["replay".into(), "--data-dir".into(), file.clone().into()],
+    ] {
+        let (ok, code, _, stderr) = kvrouted(&args);
+        assert!(!ok && code.is_some(), "{args:?} fails");
+        let line = the_error_line(&stderr);
+        assert!(
+            line.contains("cannot open data dir") && line.contains("not-a-dir"),
+            "the error says which dir cannot be opened: {line}"
+        );
+    }
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        b"hello",
+        "the file is untouched"
+    );
+}
+
+#[test]
+fn a_data_dir_from_a_future_schema_version_is_refused_never_opened_empty() {
+    let work = tempfile::TempDir::new().unwrap();
+    let dir: PathBuf = work.path().join("data");
+    kvrouted::journal::write_schema_version(&dir, u32::MAX).unwrap();
+    // sled lets go of its lock on the dir shortly after the handle is dropped: wait for that,
+    // so what follows sees the schema, not this process's lock.
+    let started = std::time::Instant::now();
+    while kvrouted(["replay".as_ref(), "--data-dir".as_ref(), dir.as_os_str()])
+        .3
+        .contains("in use by another kvrouted process")
+    {
+        assert!(started.elapsed() < DEADLINE, "sled keeps the dir locked");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for args in [
+        serve_args(&dir, "nats://127.0.0.1:1"),
+        vec!["replay".into(), "--data-dir".into(), dir.clone().into()],
+        vec![
+            "journal".into(),
+            "export".into(),
+            "--data-dir".into(),
+            dir.clone().into(),
+            "--out".into(),
+            work.path().join("out").into(),
+        ],
+    ] {
+        let (ok, code, stdout, stderr) = kvrouted(&args);
+        assert!(!ok && code.is_some(), "{args:?} fails");
+        let line = the_error_line(&stderr);
+        assert!(
+            line.contains("newer kvrouted") && line.contains(&u32::MAX.to_string()),
+            "the error names the schema version found: {line}"
+        );
+        assert!(
+            !stdout.contains("replayed"),
+            "nothing is replayed from a dir that cannot be read"
+        );
+    }
+    assert!(
+        !work.path().join("out").exists(),
+        "no export is written from it"
+    );
+}
