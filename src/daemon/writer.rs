@@ -22,8 +22,11 @@ use crate::journal::{Journal, JournalEntry, RouteOutcome, Snapshot};
 use crate::metrics;
 use crate::router::{Output, Router};
 
-/// Capacity of the writer's queue: senders wait (backpressure) beyond it.
-const QUEUE: usize = 65_536;
+/// Capacity of the gateway lane (routes, releases, queries).
+const GATEWAY_QUEUE: usize = 65_536;
+/// Capacity of the ingest lane. Small on purpose: a full lane pushes back on NATS (JetStream
+/// flow control) instead of building seconds of backlog that routes would wait behind.
+const INGEST_QUEUE: usize = 4_096;
 
 type Query = Box<dyn FnOnce(&Router, u64) + Send>;
 
@@ -50,9 +53,50 @@ pub struct PendingAcks {
 }
 
 /// Handle to the writer; cheap to clone.
+///
+/// Two lanes: gateway commands (routes, releases, queries) are always taken before ingest
+/// (KV events, load samples, ticks), so a burst of events never delays a route by more than the
+/// one input being applied.
 #[derive(Clone)]
 pub struct WriterHandle {
-    tx: mpsc::Sender<Command>,
+    gateway: mpsc::Sender<Command>,
+    ingest: mpsc::Sender<Command>,
+}
+
+/// The writer's side of the two lanes.
+struct Lanes {
+    gateway: mpsc::Receiver<Command>,
+    ingest: mpsc::Receiver<Command>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Lanes {
+    /// The next queued command, gateway first, without waiting.
+    fn try_next(&mut self) -> Option<Command> {
+        self.gateway
+            .try_recv()
+            .ok()
+            .or_else(|| self.ingest.try_recv().ok())
+    }
+
+    /// The next command, waiting for one; `None` once every handle is gone.
+    fn next(&mut self) -> Option<Command> {
+        if let Some(cmd) = self.try_next() {
+            return Some(cmd);
+        }
+        let Lanes {
+            gateway,
+            ingest,
+            runtime,
+        } = self;
+        runtime.block_on(async {
+            tokio::select! {
+                biased;
+                cmd = gateway.recv() => cmd,
+                cmd = ingest.recv() => cmd,
+            }
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +107,7 @@ impl WriterHandle {
     /// Applies an input and waits for its output.
     pub async fn apply(&self, input: Input, source: &'static str) -> Result<Output, WriterGone> {
         let (reply, rx) = oneshot::channel();
-        self.tx
+        self.gateway
             .send(Command::Apply {
                 input,
                 source,
@@ -82,7 +126,7 @@ impl WriterHandle {
         source: &'static str,
         ack: Option<Acker>,
     ) -> Result<(), WriterGone> {
-        self.tx
+        self.ingest
             .send(Command::Apply {
                 input,
                 source,
@@ -102,7 +146,7 @@ impl WriterHandle {
         let query: Query = Box::new(move |router, now| {
             let _ = tx.send(f(router, now));
         });
-        self.tx
+        self.gateway
             .send(Command::Query(query))
             .await
             .map_err(|_| WriterGone)?;
@@ -112,7 +156,7 @@ impl WriterHandle {
     /// Writes a final snapshot and stops the writer.
     pub async fn shutdown(&self) {
         let (tx, rx) = oneshot::channel();
-        if self.tx.send(Command::Shutdown(tx)).await.is_ok() {
+        if self.gateway.send(Command::Shutdown(tx)).await.is_ok() {
             let _ = rx.await;
         }
     }
@@ -201,13 +245,19 @@ pub fn spawn(
     pending: Arc<PendingAcks>,
     settings: WriterSettings,
 ) -> (WriterHandle, std::thread::JoinHandle<()>) {
-    let (tx, mut rx) = mpsc::channel::<Command>(QUEUE);
+    let (gateway, gateway_rx) = mpsc::channel::<Command>(GATEWAY_QUEUE);
+    let (ingest, ingest_rx) = mpsc::channel::<Command>(INGEST_QUEUE);
+    let mut lanes = Lanes {
+        gateway: gateway_rx,
+        ingest: ingest_rx,
+        runtime: tokio::runtime::Handle::current(),
+    };
     let thread = std::thread::Builder::new()
         .name("kvrouted-writer".into())
         .spawn(move || {
             let mut snapshotter = Snapshotter::start(journal.clone(), &settings);
             let mut last_snapshot = Instant::now();
-            while let Some(first) = rx.blocking_recv() {
+            while let Some(first) = lanes.next() {
                 let mut next = Some(first);
                 // Drain what is queued so the ack bookkeeping happens once per burst.
                 let mut burst = 0;
@@ -237,7 +287,7 @@ pub fn spawn(
                     }
                     burst += 1;
                     if burst < 1024 {
-                        next = rx.try_recv().ok();
+                        next = lanes.try_next();
                     }
                 }
                 pending.appended.store(router.last_seq(), Ordering::Release);
@@ -257,7 +307,7 @@ pub fn spawn(
             }
         })
         .expect("spawn writer thread");
-    (WriterHandle { tx }, thread)
+    (WriterHandle { gateway, ingest }, thread)
 }
 
 /// Retention settings, as the snapshot thread applies them.
