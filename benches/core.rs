@@ -4,9 +4,6 @@
 //! Run: `cargo bench --bench core`. The memory figure is printed first, from a counting
 //! allocator, as `index_bytes_per_entry`.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use criterion::{criterion_group, BatchSize, Criterion, Throughput};
 use kvrouted::hashing::chain_locals;
 use kvrouted::input::{
@@ -14,28 +11,11 @@ use kvrouted::input::{
 };
 use kvrouted::router::{Router, RouterConfig};
 
-/// Counts live heap bytes so the index's footprint can be measured exactly.
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        System.alloc(layout)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        System.dealloc(ptr, layout)
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size, Ordering::Relaxed);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        System.realloc(ptr, layout, new_size)
-    }
-}
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: counting_alloc::Counting = counting_alloc::Counting;
 
 const BLOCK: u32 = 16;
 const BATCH_BLOCKS: u64 = 32;
@@ -87,7 +67,7 @@ fn config() -> RouterConfig {
 /// Live bytes per (block, owner) entry of an index holding `blocks` blocks on each of `owners`
 /// workers (every block owned by all of them) — and of one owner per block.
 fn bytes_per_entry(blocks: u64, owners: usize) -> f64 {
-    let before = LIVE.load(Ordering::Relaxed);
+    let before = counting_alloc::live_bytes();
     let mut router = Router::new(config());
     let mut seq = 0;
     for w in 0..owners {
@@ -97,7 +77,7 @@ fn bytes_per_entry(blocks: u64, owners: usize) -> f64 {
         }
     }
     // Different workers store the same locals under the same chain: shared blocks.
-    let after = LIVE.load(Ordering::Relaxed);
+    let after = counting_alloc::live_bytes();
     let entries = router.index_stats().entries as f64;
     let bytes = (after - before) as f64 / entries;
     drop(router);
