@@ -206,6 +206,11 @@ pub struct ServeArgs {
     /// Group-commit interval: journal flushes (and JetStream acks) happen this often
     #[arg(long, env = "KVROUTED_FLUSH_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
     pub flush_interval: Duration,
+    /// Inputs no JetStream message waits on (routes, releases, load samples, ticks) are made
+    /// durable at least this often; set it equal to --flush-interval for an audit log that loses
+    /// nothing on a crash, at some route latency
+    #[arg(long, env = "KVROUTED_SOFT_FLUSH_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub soft_flush_interval: Duration,
     /// Housekeeping interval (worker age-out, expiries, gauges)
     #[arg(long, env = "KVROUTED_TICK_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub tick_interval: Duration,

@@ -191,6 +191,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         journal.clone(),
         pending.clone(),
         args.flush_interval,
+        args.soft_flush_interval,
     ));
 
     let settings = IngestSettings {

@@ -422,13 +422,26 @@ fn write_snapshot(journal: &Journal, snapshot: &Snapshot, retention: &Retention)
     }
 }
 
-/// Group commit: flushes the journal every `interval` and then acks the messages it covers.
-pub async fn run_flusher(journal: Journal, pending: Arc<PendingAcks>, interval: Duration) {
+/// Group commit: while messages wait for their ack, flushes the journal every `interval` and then
+/// acks the messages it covers; otherwise flushes every `soft_interval`.
+pub async fn run_flusher(
+    journal: Journal,
+    pending: Arc<PendingAcks>,
+    interval: Duration,
+    soft_interval: Duration,
+) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_flush = Instant::now();
     loop {
         ticker.tick().await;
-        flush_and_ack(&journal, &pending).await;
+        // A flush costs every route some latency, so without a message waiting for its ack the
+        // journal is flushed only every `soft_interval`.
+        let awaiting_ack = !pending.acks.lock().unwrap().is_empty();
+        if awaiting_ack || last_flush.elapsed() >= soft_interval {
+            flush_and_ack(&journal, &pending).await;
+            last_flush = Instant::now();
+        }
     }
 }
 
