@@ -44,6 +44,21 @@ pub fn decode_kv_batch(
     worker: WorkerId,
     headers: KvHeaders,
 ) -> Result<KvEventBatch, Rejection> {
+    let (batch_dp_rank, events) = match super::fast::decode_vllm_array(payload) {
+        Some(decoded) => decoded,
+        None => decode_tolerant(payload)?,
+    };
+    Ok(KvEventBatch {
+        worker,
+        model: headers.model,
+        dp_rank: headers.dp_rank.or(batch_dp_rank).unwrap_or(0),
+        seq: headers.seq,
+        events,
+    })
+}
+
+/// Every accepted form, through an [`rmpv`] value tree: the batch's dp rank and its events.
+pub(super) fn decode_tolerant(payload: &[u8]) -> Result<(Option<u32>, Vec<KvEvent>), Rejection> {
     let root = read_single(payload, "KV event batch")?;
     let (ts, events, batch_dp_rank) = match &root {
         ValueRef::Array(items) if items.len() >= 2 => (items.first(), &items[1], items.get(2)),
@@ -108,13 +123,7 @@ pub fn decode_kv_batch(
         .map(|(index, event)| decode_event(event, index, &mut tokens))
         .collect::<Result<Vec<_>, _>>()?;
 
-    Ok(KvEventBatch {
-        worker,
-        model: headers.model,
-        dp_rank: headers.dp_rank.or(batch_dp_rank).unwrap_or(0),
-        seq: headers.seq,
-        events: decoded,
-    })
+    Ok((batch_dp_rank, decoded))
 }
 
 /// An event's fields in either msgspec layout.

@@ -17,6 +17,7 @@
 //! from the payload, so decoding allocates only the tree's arrays and the decoded output.
 
 mod encode;
+mod fast;
 mod kv;
 mod lifecycle;
 mod load;

@@ -1,0 +1,424 @@
+//! A single-pass decoder for the layout vLLM's publisher actually emits: an array batch of
+//! tagged-array events (`[ts, [["BlockStored", ...], ...], dp_rank]`).
+//!
+//! Building the [`rmpv::ValueRef`] tree for a 32-block batch costs ~14 µs, most of the daemon's
+//! ingest budget; reading the same bytes straight into the token buffer costs a fraction of
+//! that. This path accepts only payloads it can decode exactly as the tolerant decoder in
+//! `kv.rs` would; on anything else (map forms, bigram tokens, any invalid field) it returns
+//! `None` and the tolerant decoder decides, with its precise rejection.
+
+use rmp::Marker;
+
+use crate::hashing::local_hash;
+use crate::input::{KvEvent, Medium, StoredBlock};
+
+/// Nesting depth the skipper follows before giving up (to the tolerant decoder).
+const MAX_SKIP_DEPTH: usize = 32;
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+/// A decoded integer: msgpack keeps the sign in the marker.
+enum Int {
+    Pos(u64),
+    Neg(i64),
+}
+
+impl<'a> Cursor<'a> {
+    fn bytes(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.pos.checked_add(n)?;
+        let out = self.buf.get(self.pos..end)?;
+        self.pos = end;
+        Some(out)
+    }
+
+    fn be<const N: usize>(&mut self) -> Option<[u8; N]> {
+        self.bytes(N)?.try_into().ok()
+    }
+
+    fn peek(&self) -> Option<Marker> {
+        self.buf.get(self.pos).map(|&b| Marker::from_u8(b))
+    }
+
+    fn marker(&mut self) -> Option<Marker> {
+        let m = self.peek()?;
+        self.pos += 1;
+        Some(m)
+    }
+
+    /// Consumes a nil if one is next.
+    fn nil(&mut self) -> bool {
+        if self.peek() == Some(Marker::Null) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn int_after(&mut self, m: Marker) -> Option<Int> {
+        Some(match m {
+            Marker::FixPos(n) => Int::Pos(n as u64),
+            Marker::U8 => Int::Pos(self.be::<1>()?[0] as u64),
+            Marker::U16 => Int::Pos(u16::from_be_bytes(self.be()?) as u64),
+            Marker::U32 => Int::Pos(u32::from_be_bytes(self.be()?) as u64),
+            Marker::U64 => Int::Pos(u64::from_be_bytes(self.be()?)),
+            Marker::FixNeg(n) => Int::Neg(n as i64),
+            Marker::I8 => Int::Neg(i8::from_be_bytes(self.be()?) as i64),
+            Marker::I16 => Int::Neg(i16::from_be_bytes(self.be()?) as i64),
+            Marker::I32 => Int::Neg(i32::from_be_bytes(self.be()?) as i64),
+            Marker::I64 => Int::Neg(i64::from_be_bytes(self.be()?)),
+            _ => return None,
+        })
+        .map(|i| match i {
+            // Signed markers may carry non-negative values.
+            Int::Neg(v) if v >= 0 => Int::Pos(v as u64),
+            other => other,
+        })
+    }
+
+    fn int(&mut self) -> Option<Int> {
+        let m = self.marker()?;
+        self.int_after(m)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        match self.int()? {
+            Int::Pos(v) => u32::try_from(v).ok(),
+            Int::Neg(_) => None,
+        }
+    }
+
+    fn array_len(&mut self) -> Option<usize> {
+        Some(match self.marker()? {
+            Marker::FixArray(n) => n as usize,
+            Marker::Array16 => u16::from_be_bytes(self.be()?) as usize,
+            Marker::Array32 => u32::from_be_bytes(self.be()?) as usize,
+            _ => return None,
+        })
+    }
+
+    fn str_after(&mut self, m: Marker) -> Option<&'a str> {
+        let len = match m {
+            Marker::FixStr(n) => n as usize,
+            Marker::Str8 => self.be::<1>()?[0] as usize,
+            Marker::Str16 => u16::from_be_bytes(self.be()?) as usize,
+            Marker::Str32 => u32::from_be_bytes(self.be()?) as usize,
+            _ => return None,
+        };
+        std::str::from_utf8(self.bytes(len)?).ok()
+    }
+
+    fn str(&mut self) -> Option<&'a str> {
+        let m = self.marker()?;
+        self.str_after(m)
+    }
+
+    /// A block hash: uint64, negative int64 (cast), or 32-byte bin (last 8 bytes, big-endian).
+    fn hash(&mut self) -> Option<u64> {
+        match self.marker()? {
+            Marker::Bin8 => {
+                let len = self.be::<1>()?[0] as usize;
+                let bin = self.bytes(len)?;
+                (len == 32).then(|| u64::from_be_bytes(bin[24..].try_into().unwrap()))
+            }
+            m => match self.int_after(m)? {
+                Int::Pos(v) => Some(v),
+                Int::Neg(v) => Some(v as u64),
+            },
+        }
+    }
+
+    fn number(&mut self) -> Option<()> {
+        match self.marker()? {
+            Marker::F32 => self.be::<4>().map(drop),
+            Marker::F64 => self.be::<8>().map(drop),
+            m => self.int_after(m).map(drop),
+        }
+    }
+
+    /// Skips one value of any type.
+    fn skip(&mut self, depth: usize) -> Option<()> {
+        if depth > MAX_SKIP_DEPTH {
+            return None;
+        }
+        let m = self.marker()?;
+        let len = match m {
+            Marker::Null | Marker::True | Marker::False => return Some(()),
+            Marker::F32 => return self.be::<4>().map(drop),
+            Marker::F64 => return self.be::<8>().map(drop),
+            Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => {
+                return self.str_after(m).map(drop)
+            }
+            Marker::Bin8 => self.be::<1>()?[0] as usize,
+            Marker::Bin16 => u16::from_be_bytes(self.be()?) as usize,
+            Marker::Bin32 => u32::from_be_bytes(self.be()?) as usize,
+            Marker::FixArray(n) => return self.skip_n(n as usize, depth),
+            Marker::Array16 => {
+                let n = u16::from_be_bytes(self.be()?) as usize;
+                return self.skip_n(n, depth);
+            }
+            Marker::Array32 => {
+                let n = u32::from_be_bytes(self.be()?) as usize;
+                return self.skip_n(n, depth);
+            }
+            Marker::FixMap(n) => return self.skip_n(2 * n as usize, depth),
+            Marker::Map16 => {
+                let n = u16::from_be_bytes(self.be()?) as usize;
+                return self.skip_n(2 * n, depth);
+            }
+            Marker::Map32 => {
+                let n = u32::from_be_bytes(self.be()?) as usize;
+                return self.skip_n(2 * n, depth);
+            }
+            Marker::FixExt1 => 2,
+            Marker::FixExt2 => 3,
+            Marker::FixExt4 => 5,
+            Marker::FixExt8 => 9,
+            Marker::FixExt16 => 17,
+            Marker::Ext8 => self.be::<1>()?[0] as usize + 1,
+            Marker::Ext16 => u16::from_be_bytes(self.be()?) as usize + 1,
+            Marker::Ext32 => u32::from_be_bytes(self.be()?) as usize + 1,
+            Marker::Reserved => return None,
+            m => return self.int_after(m).map(drop),
+        };
+        self.bytes(len).map(drop)
+    }
+
+    fn skip_n(&mut self, n: usize, depth: usize) -> Option<()> {
+        (0..n).try_for_each(|_| self.skip(depth + 1))
+    }
+
+    /// `nil` or a string medium; absent fields are handled by the caller.
+    fn medium(&mut self) -> Option<Medium> {
+        if self.nil() {
+            return Some(Medium::Gpu);
+        }
+        let s = self.str()?;
+        Some(if s.eq_ignore_ascii_case("GPU") {
+            Medium::Gpu
+        } else {
+            Medium::Other
+        })
+    }
+}
+
+/// Decodes an array batch of tagged-array events. Returns the batch's dp rank and its events,
+/// or `None` when the payload is not in exactly that layout or not valid.
+pub(super) fn decode_vllm_array(payload: &[u8]) -> Option<(Option<u32>, Vec<KvEvent>)> {
+    let mut c = Cursor {
+        buf: payload,
+        pos: 0,
+    };
+    let len = c.array_len()?;
+    if len < 2 {
+        return None;
+    }
+    if !c.nil() {
+        c.number()?;
+    }
+    let n_events = c.array_len()?;
+    let mut events = Vec::with_capacity(n_events.min(1024));
+    let mut tokens = Vec::new();
+    for _ in 0..n_events {
+        events.push(event(&mut c, &mut tokens)?);
+    }
+    let dp_rank = if len >= 3 && !c.nil() {
+        Some(c.u32()?)
+    } else {
+        None
+    };
+    c.skip_n(len.saturating_sub(3), 0)?;
+    (c.pos == payload.len()).then_some((dp_rank, events))
+}
+
+fn event(c: &mut Cursor<'_>, tokens: &mut Vec<u32>) -> Option<KvEvent> {
+    let len = c.array_len()?;
+    let tag = c.str()?;
+    // Fields after the tag that this function reads; the rest are skipped.
+    let (event, read) = match tag {
+        "BlockStored" if len >= 5 => stored(c, len - 1, tokens)?,
+        "BlockRemoved" if len >= 2 => {
+            let n = c.array_len()?;
+            let engine_hashes = (0..n).map(|_| c.hash()).collect::<Option<Vec<_>>>()?;
+            let medium = if len >= 3 { c.medium()? } else { Medium::Gpu };
+            (
+                KvEvent::Removed {
+                    engine_hashes,
+                    medium,
+                },
+                (len - 1).min(2),
+            )
+        }
+        "AllBlocksCleared" => (KvEvent::Cleared, 0),
+        _ => return None,
+    };
+    c.skip_n(len - 1 - read, 0)?;
+    Some(event)
+}
+
+/// `BlockStored` fields after the tag: `fields` of them are present (at least 4).
+fn stored(c: &mut Cursor<'_>, fields: usize, tokens: &mut Vec<u32>) -> Option<(KvEvent, usize)> {
+    let n = c.array_len()?;
+    let mut blocks = (0..n)
+        .map(|_| {
+            c.hash().map(|engine_hash| StoredBlock {
+                engine_hash,
+                local: 0,
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let parent = if c.nil() { None } else { Some(c.hash()?) };
+    let n_tokens = c.array_len()?;
+    // Every token takes at least one byte: a larger count is a lie, not a reason to allocate.
+    if n_tokens > c.buf.len() - c.pos {
+        return None;
+    }
+    tokens.clear();
+    tokens.reserve(n_tokens);
+    for _ in 0..n_tokens {
+        tokens.push(c.u32()?); // bigram pairs are arrays: the tolerant decoder handles them
+    }
+    let block_size = c.u32().filter(|&bs| bs > 0)?;
+    if blocks.len().checked_mul(block_size as usize) != Some(tokens.len()) {
+        return None;
+    }
+    for (block, chunk) in blocks
+        .iter_mut()
+        .zip(tokens.chunks_exact(block_size as usize))
+    {
+        block.local = local_hash(chunk);
+    }
+    let lora_id = if fields >= 5 && !c.nil() {
+        Some(match c.int()? {
+            Int::Pos(v) => v.to_string(),
+            Int::Neg(v) => v.to_string(),
+        })
+    } else {
+        None
+    };
+    let medium = if fields >= 6 {
+        c.medium()?
+    } else {
+        Medium::Gpu
+    };
+    let lora_name = if fields >= 7 && !c.nil() {
+        Some(c.str()?)
+    } else {
+        None
+    };
+    let lora = match lora_name.filter(|name| !name.is_empty()) {
+        Some(name) => Some(name.to_owned()),
+        None => lora_id,
+    };
+    let event = KvEvent::Stored {
+        parent,
+        blocks,
+        block_size,
+        lora,
+        medium,
+    };
+    Some((event, fields.min(7)))
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::decode_vllm_array;
+    use crate::wire::kv::decode_tolerant;
+    use crate::wire::{encode_vllm_batch, VllmEvent};
+
+    /// Whatever the fast path accepts, the tolerant decoder accepts identically.
+    fn agrees(payload: &[u8]) -> bool {
+        match decode_vllm_array(payload) {
+            Some(fast) => {
+                assert_eq!(
+                    decode_tolerant(payload).ok(),
+                    Some(fast),
+                    "the fast path decodes exactly as the tolerant decoder"
+                );
+                true
+            }
+            None => false,
+        }
+    }
+
+    #[test]
+    fn every_fixture_decodes_the_same_on_both_paths() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kv_events");
+        let mut fast = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "msgpack") {
+                fast += agrees(&std::fs::read(&path).unwrap()) as usize;
+            }
+        }
+        assert!(
+            fast >= 5,
+            "vLLM's own layouts take the fast path ({fast} fixtures did)"
+        );
+    }
+
+    fn event() -> impl Strategy<Value = VllmEvent> {
+        let hash = prop_oneof![any::<u64>(), (0u64..8)];
+        prop_oneof![
+            (
+                proptest::collection::vec(hash.clone(), 0..6),
+                proptest::option::of(hash.clone()),
+                1u32..5,
+                proptest::option::of(-3i64..3),
+                proptest::option::of(prop_oneof![
+                    Just("GPU".to_string()),
+                    Just("cpu".to_string())
+                ]),
+                proptest::option::of(prop_oneof![Just(String::new()), Just("sql".to_string())]),
+                any::<u32>(),
+            )
+                .prop_map(
+                    |(block_hashes, parent, bs, lora_id, medium, lora_name, seed)| {
+                        let n = block_hashes.len() as u32 * bs;
+                        VllmEvent::BlockStored {
+                            token_ids: (0..n).map(|i| seed.wrapping_add(i * 7919)).collect(),
+                            block_hashes,
+                            parent_block_hash: parent,
+                            block_size: bs,
+                            lora_id,
+                            medium,
+                            lora_name,
+                        }
+                    }
+                ),
+            (
+                proptest::collection::vec(hash, 0..6),
+                proptest::option::of(Just("GPU".to_string()))
+            )
+                .prop_map(|(block_hashes, medium)| VllmEvent::BlockRemoved {
+                    block_hashes,
+                    medium
+                }),
+            Just(VllmEvent::AllBlocksCleared),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn batches_as_vllm_encodes_them_take_the_fast_path_and_agree(
+            events in proptest::collection::vec(event(), 0..5),
+            dp_rank in proptest::option::of(0u32..8),
+        ) {
+            let payload = encode_vllm_batch(1.5, &events, dp_rank);
+            prop_assert!(agrees(&payload), "a vLLM-encoded batch takes the fast path");
+            for cut in 0..payload.len() {
+                prop_assert!(decode_vllm_array(&payload[..cut]).is_none(), "a truncated batch never decodes");
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_decode_differently(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            agrees(&bytes);
+        }
+    }
+}
