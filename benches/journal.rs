@@ -292,12 +292,7 @@ fn main() {
 
     // 3a. The snapshot, as the writer thread takes it.
     let started = Instant::now();
-    let snapshot = Snapshot {
-        seq: router.last_seq(),
-        at_ms: clock.now(),
-        config: router.config().clone(),
-        state: router.state().clone(),
-    };
+    let snapshot = Snapshot::of(&router, clock.now());
     let snapshot_clone = started.elapsed();
     let snapshot_bytes = journal.write_snapshot(&snapshot).expect("snapshot");
     let snapshot_write = started.elapsed();

@@ -331,12 +331,7 @@ impl WriterSettings {
 /// several times longer, happen on the snapshot thread while routing goes on.
 fn take_snapshot(router: &Router, clock: &mut Clock) -> Snapshot {
     let started = Instant::now();
-    let snapshot = Snapshot {
-        seq: router.last_seq(),
-        at_ms: clock.now(),
-        config: router.config().clone(),
-        state: router.state().clone(),
-    };
+    let snapshot = Snapshot::of(router, clock.now());
     ::metrics::gauge!("kvrouted_snapshot_copy_seconds").set(started.elapsed().as_secs_f64());
     snapshot
 }

@@ -81,6 +81,18 @@ pub struct Snapshot {
     pub state: RouterState,
 }
 
+impl Snapshot {
+    /// The router's state as of its last applied input, taken at `at_ms`.
+    pub fn of(router: &crate::router::Router, at_ms: u64) -> Snapshot {
+        Snapshot {
+            seq: router.last_seq(),
+            at_ms,
+            config: router.config().clone(),
+            state: router.state().clone(),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
     #[error("data dir {dir} is in use by another kvrouted process (sled lock held); stop it or pass another --data-dir")]

@@ -205,12 +205,7 @@ fn recorded_run(journal: &Journal, n: u64) -> Router {
             .unwrap();
         if stamped.seq % 100 == 0 {
             journal
-                .write_snapshot(&Snapshot {
-                    seq: stamped.seq,
-                    at_ms: stamped.at_ms,
-                    config: router.config().clone(),
-                    state: router.state().clone(),
-                })
+                .write_snapshot(&Snapshot::of(&router, stamped.at_ms))
                 .unwrap();
         }
     }

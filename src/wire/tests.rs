@@ -49,6 +49,23 @@ fn reject_reason(payload: &[u8]) -> Rejection {
     }
 }
 
+/// Asserts that `payload` is rejected for `reason` with a detail naming `fragment`; `why` states
+/// the invariant.
+fn assert_rejected(
+    payload: &[u8],
+    reason: RejectReason,
+    fragment: &str,
+    why: std::fmt::Arguments<'_>,
+) {
+    let r = reject_reason(payload);
+    assert_eq!(r.reason, reason, "{why}");
+    assert!(
+        r.detail.contains(fragment),
+        "{why}: the detail names {fragment:?}: {}",
+        r.detail
+    );
+}
+
 /// The single event of a one-event batch.
 fn only_event(batch: KvEventBatch) -> KvEvent {
     assert_eq!(batch.events.len(), 1, "the batch holds exactly one event");
@@ -208,16 +225,11 @@ fn header_dp_rank_wins_over_batch_field() {
 #[test]
 fn invalid_batch_dp_rank_is_invalid_field() {
     for bad in [json!(-1), json!("1"), json!(4294967296u64), json!(1.0)] {
-        let r = reject_reason(&mp(json!([1.0, [], bad])));
-        assert_eq!(
-            r.reason,
+        assert_rejected(
+            &mp(json!([1.0, [], bad])),
             RejectReason::InvalidField,
-            "dp rank {bad} is rejected"
-        );
-        assert!(
-            r.detail.contains("data_parallel_rank"),
-            "detail names the field: {}",
-            r.detail
+            "data_parallel_rank",
+            format_args!("dp rank {bad} is rejected"),
         );
     }
 }
@@ -227,16 +239,11 @@ fn ts_must_be_a_number_if_present() {
     decode_ok(&mp(json!([17, []])));
     decode_ok(&mp(json!([null, []])));
     decode_ok(&mp(json!({"events": []})));
-    let r = reject_reason(&mp(json!(["yesterday", []])));
-    assert_eq!(
-        r.reason,
+    assert_rejected(
+        &mp(json!(["yesterday", []])),
         RejectReason::InvalidField,
-        "a string ts is rejected"
-    );
-    assert!(
-        r.detail.contains("EventBatch.ts"),
-        "detail names the field: {}",
-        r.detail
+        "EventBatch.ts",
+        format_args!("a string ts is rejected"),
     );
 }
 
@@ -274,16 +281,11 @@ fn trailing_bytes_after_the_batch_are_malformed_payload() {
 
 #[test]
 fn events_that_are_not_an_array_are_invalid_field() {
-    let r = reject_reason(&mp(json!([1.0, {"a": 1}])));
-    assert_eq!(
-        r.reason,
+    assert_rejected(
+        &mp(json!([1.0, {"a": 1}])),
         RejectReason::InvalidField,
-        "events must be an array"
-    );
-    assert!(
-        r.detail.contains("EventBatch.events"),
-        "detail names the field: {}",
-        r.detail
+        "EventBatch.events",
+        format_args!("events must be an array"),
     );
 }
 
@@ -350,16 +352,11 @@ fn one_bad_event_rejects_the_whole_batch() {
         1.0,
         [["AllBlocksCleared"], ["BlockRemoved", "nope"]]
     ]));
-    let r = reject_reason(&payload);
-    assert_eq!(
-        r.reason,
+    assert_rejected(
+        &payload,
         RejectReason::InvalidField,
-        "the batch is applied all or nothing"
-    );
-    assert!(
-        r.detail.contains("(event 1)"),
-        "the detail gives the event's index: {}",
-        r.detail
+        "(event 1)",
+        format_args!("the batch is applied all or nothing"),
     );
 }
 
@@ -497,16 +494,11 @@ fn hashes_of_other_kinds_are_invalid_field() {
             Value::F64(1.0),
             Value::Array(vec![event]),
         ]));
-        let r = reject_reason(&payload);
-        assert_eq!(
-            r.reason,
+        assert_rejected(
+            &payload,
             RejectReason::InvalidField,
-            "{bad:?} is not a block hash"
-        );
-        assert!(
-            r.detail.contains("BlockRemoved.block_hashes[0]"),
-            "detail: {}",
-            r.detail
+            "BlockRemoved.block_hashes[0]",
+            format_args!("{bad:?} is not a block hash"),
         );
     }
 }
@@ -570,16 +562,11 @@ fn missing_required_stored_fields_are_invalid_field() {
         (json!({"type": "BlockRemoved"}), "block_hashes"),
     ];
     for (event, field) in cases {
-        let r = reject_reason(&batch_of(event.clone()));
-        assert_eq!(
-            r.reason,
+        assert_rejected(
+            &batch_of(event.clone()),
             RejectReason::InvalidField,
-            "{event} lacks {field}"
-        );
-        assert!(
-            r.detail.contains(field),
-            "detail names {field}: {}",
-            r.detail
+            field,
+            format_args!("{event} lacks {field}"),
         );
     }
 }
@@ -603,16 +590,11 @@ fn token_count_must_equal_blocks_times_block_size() {
 #[test]
 fn token_ids_must_be_u32() {
     for bad in [json!(-1), json!(4294967296u64), json!("1"), json!(1.0)] {
-        let r = reject_reason(&batch_of(json!(["BlockStored", [1], null, [1, bad], 2])));
-        assert_eq!(
-            r.reason,
+        assert_rejected(
+            &batch_of(json!(["BlockStored", [1], null, [1, bad], 2])),
             RejectReason::InvalidField,
-            "token {bad} is rejected"
-        );
-        assert!(
-            r.detail.contains("token_ids[1]"),
-            "detail names the position: {}",
-            r.detail
+            "token_ids[1]",
+            format_args!("token {bad} is rejected"),
         );
     }
     let r = reject_reason(&batch_of(json!(["BlockStored", [1], null, "abcd", 4])));

@@ -351,18 +351,6 @@ impl Daemon {
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
-    pub async fn post_raw(&self, path: &str, content_type: &str, body: Vec<u8>) -> (u16, String) {
-        let r = self
-            .client
-            .post(self.url(path))
-            .header("content-type", content_type)
-            .body(body)
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.text().await.unwrap_or_default())
-    }
-
     /// `POST` raw bytes; returns (status, content type, body bytes).
     pub async fn post_bytes(
         &self,
