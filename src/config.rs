@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::parser::ValueSource;
-use clap::{ArgMatches, Args, FromArgMatches};
+use clap::{ArgMatches, Args};
 
 use crate::policy::PolicyKind;
 use crate::router::RouterConfig;
@@ -330,9 +330,4 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
     let line = before.matches('\n').count() + 1;
     let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
     (line, column)
-}
-
-/// Parses `ServeArgs` from full serve matches (after merging).
-pub fn serve_args(matches: &ArgMatches) -> anyhow::Result<ServeArgs> {
-    Ok(ServeArgs::from_arg_matches(matches)?)
 }

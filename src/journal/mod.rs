@@ -378,10 +378,6 @@ impl Journal {
     pub fn size_on_disk(&self) -> Result<u64> {
         Ok(self.db.size_on_disk()?)
     }
-
-    pub fn entry_count(&self) -> usize {
-        self.entries.len()
-    }
 }
 
 #[cfg(test)]
