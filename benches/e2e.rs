@@ -39,7 +39,7 @@
 //! of them match a worker.
 
 use std::collections::VecDeque;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -55,6 +55,10 @@ use futures::StreamExt;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use serde::Deserialize;
 use tempfile::TempDir;
+
+#[path = "support/local_processes.rs"]
+mod local_processes;
+use local_processes::{free_port, nats_server_bin, wait_for_port};
 
 const BLOCK: usize = 16;
 const BATCH_BLOCKS: usize = 32;
@@ -194,42 +198,6 @@ fn start_watchdog(limit: Duration) {
         }
         std::process::exit(2);
     });
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn wait_for_port(port: u16, what: &str) {
-    let start = Instant::now();
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "{what} did not listen on port {port}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn nats_server_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("NATS_SERVER_BIN") {
-        return p.into();
-    }
-    for dir in std::env::var("PATH")
-        .unwrap_or_default()
-        .split(':')
-        .chain(["/usr/sbin", "/usr/bin"])
-    {
-        let p = Path::new(dir).join("nats-server");
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!("nats-server not found: install the Debian package nats-server or set NATS_SERVER_BIN");
 }
 
 fn start_nats(dir: &Path) -> (Proc, String) {

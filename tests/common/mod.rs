@@ -3,7 +3,7 @@
 //! dir removed. Waiting is always polling against a deadline, never a bare sleep.
 #![allow(dead_code)]
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -14,16 +14,11 @@ use kvrouted::wire::{encode_lifecycle, encode_load, encode_vllm_batch, VllmEvent
 use serde_json::Value;
 use tempfile::TempDir;
 
-pub const DEADLINE: Duration = Duration::from_secs(20);
+#[path = "../../benches/support/local_processes.rs"]
+mod local_processes;
+pub use local_processes::{free_port, nats_server_bin, wait_for_port};
 
-/// A free TCP port on loopback (bound and released; the OS does not hand it out again at once).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub const DEADLINE: Duration = Duration::from_secs(20);
 
 /// Polls `check` until it returns `Some`, or panics with `what` after [`DEADLINE`].
 pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
@@ -41,34 +36,6 @@ where
             "timed out after {DEADLINE:?} waiting for: {what}"
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
-fn nats_server_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("NATS_SERVER_BIN") {
-        return p.into();
-    }
-    for dir in std::env::var("PATH")
-        .unwrap_or_default()
-        .split(':')
-        .chain(["/usr/sbin", "/usr/bin"])
-    {
-        let p = Path::new(dir).join("nats-server");
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!("nats-server not found: run scripts/test (it installs the Debian package nats-server)");
-}
-
-fn wait_for_port(port: u16, what: &str) {
-    let start = Instant::now();
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "{what} did not listen on port {port}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
