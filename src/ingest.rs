@@ -10,7 +10,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use async_nats::HeaderMap;
 use futures::StreamExt;
 
-use crate::daemon::writer::WriterHandle;
+use crate::daemon::writer::{Ack, WriterHandle};
 use crate::input::{Input, RejectReason, Rejection, WorkerId};
 use crate::metrics::reject;
 use crate::wire;
@@ -178,7 +178,8 @@ async fn run_jetstream(
                     &settings.consumer,
                     pull::Config {
                         durable_name: Some(settings.consumer.clone()),
-                        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                        // Cumulative: one ack per journal flush covers every message before it.
+                        ack_policy: jetstream::consumer::AckPolicy::All,
                         ack_wait: Duration::from_secs(30),
                         max_ack_pending: 100_000,
                         ..Default::default()
@@ -187,6 +188,10 @@ async fn run_jetstream(
                 .await
                 .map_err(|e| format!("consumer {}: {e}", settings.consumer))?;
             let mut consumer = consumer;
+            // A durable created by an earlier version acks explicitly; its policy cannot change
+            // in place, so follow whatever it has.
+            let cumulative =
+                consumer.cached_info().config.ack_policy == jetstream::consumer::AckPolicy::All;
             let pending = consumer.info().await.map(|i| i.num_pending).unwrap_or(1);
             if pending == 0 {
                 status.caught_up.store(true, Ordering::Release);
@@ -216,20 +221,20 @@ async fn run_jetstream(
                     }
                 }
                 let (msg, acker) = msg.split();
+                let ack = Ack { acker, cumulative };
                 match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
                     Ok(input) => {
-                        if writer
-                            .submit(input, "jetstream", Some(acker))
-                            .await
-                            .is_err()
-                        {
+                        if writer.submit(input, "jetstream", Some(ack)).await.is_err() {
                             return Ok(());
                         }
                     }
                     Err(r) => {
                         reject(&r, "jetstream");
-                        // Nothing to journal: acknowledge so a bad message is not redelivered forever.
-                        let _ = acker.ack().await;
+                        // Nothing to journal: acknowledge (after the messages before it) so a bad
+                        // message is not redelivered forever.
+                        if writer.ack_in_order(ack).await.is_err() {
+                            return Ok(());
+                        }
                     }
                 }
             }

@@ -19,7 +19,7 @@ struct Setup {
     daemon: Daemon,
     owner: Worker,
     tokens: Vec<u32>,
-    _nats: Nats,
+    nats: Nats,
 }
 
 async fn setup() -> Setup {
@@ -39,7 +39,7 @@ async fn setup() -> Setup {
         daemon,
         owner,
         tokens,
-        _nats: nats,
+        nats,
     }
 }
 
@@ -209,9 +209,12 @@ async fn bad_nats_input_on_every_subject_is_dropped_with_a_counted_reason_and_ch
         encode_lifecycle(LifecycleOp::Join, None, Some(32), None),
     )
     .await;
+    // Last in the stream, a message with nothing to journal: its ack must not wait forever.
+    w.publish_js("kv.events.owner", none(), GARBAGE.to_vec())
+        .await;
 
     let expected = [
-        ("malformed_payload", 3.0),
+        ("malformed_payload", 4.0),
         ("block_size_mismatch", 2.0),
         ("token_count_mismatch", 1.0),
         ("unknown_event_tag", 1.0),
@@ -240,6 +243,12 @@ async fn bad_nats_input_on_every_subject_is_dropped_with_a_counted_reason_and_ch
          none made a worker known"
     );
     assert_prefix_routes_to_owner(&s, "after the bad input").await;
+    let observer = async_nats::connect(s.nats.url()).await.unwrap();
+    eventually(
+        "the bad JetStream messages, the last in the stream, are acked and not redelivered",
+        || consumer_settled(&observer),
+    )
+    .await;
     assert_eq!(
         d.metric("kvrouted_events_applied_total{kind=\"stored\"}")
             .await,

@@ -112,15 +112,6 @@ fn first_divergence(stdout: &str) -> Option<(u64, String)> {
     Some((seq.parse().ok()?, detail.trim().to_string()))
 }
 
-/// Whether the daemon's durable consumer has delivered everything in the stream and every
-/// delivered message is acked: all published events are applied and journaled durably.
-async fn consumer_settled(client: &async_nats::Client) -> Option<()> {
-    let js = async_nats::jetstream::new(client.clone());
-    let stream = js.get_stream("KVROUTED").await.ok()?;
-    let info = stream.consumer_info("kvrouted").await.ok()?;
-    (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
-}
-
 /// A worker and the blocks it holds by its own account: prompt seed → engine hashes still
 /// resident, leading blocks first (tail evictions drop from the end).
 struct Ledger {
@@ -928,5 +919,54 @@ fn a_data_dir_from_a_future_schema_version_is_refused_never_opened_empty() {
     assert!(
         !work.path().join("out").exists(),
         "no export is written from it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_consumer_left_with_explicit_acks_by_an_older_version_is_still_fully_acked() {
+    use async_nats::jetstream::{consumer, stream};
+    let nats = Nats::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let kv_stream = js
+        .create_stream(stream::Config {
+            name: "KVROUTED".into(),
+            subjects: vec!["kv.events.>".into(), "kv.workers.>".into()],
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    kv_stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("kvrouted".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
+    let mut worker = Worker::connect(&nats.url(), "w0").await;
+    for seed in 0..20 {
+        worker.store(&prompt(seed, 4)).await;
+    }
+    daemon.wait_blocks("w0", 80).await;
+    eventually(
+        "every message is acked one by one under the consumer's explicit policy",
+        || consumer_settled(&client),
+    )
+    .await;
+    let kv_stream = js.get_stream("KVROUTED").await.unwrap();
+    let info = kv_stream.consumer_info("kvrouted").await.unwrap();
+    assert_eq!(
+        info.config.ack_policy,
+        consumer::AckPolicy::Explicit,
+        "the daemon follows the existing consumer's ack policy instead of replacing it"
+    );
+    assert_eq!(
+        info.ack_floor.stream_sequence, 20,
+        "all 20 batches are acked"
     );
 }

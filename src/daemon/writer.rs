@@ -1,17 +1,26 @@
-//! The single writer (DESIGN.md §2): one thread owns the [`Router`], stamps every input with the
-//! next journal sequence and the daemon clock, journals it, applies it and answers.
+//! The single writer (DESIGN.md §2): inputs are stamped with the next journal sequence and the
+//! daemon clock, journaled and applied one at a time, in one order, by whoever holds the
+//! [`WriterState`].
+//!
+//! Gateway inputs (routes, releases, queries) are applied on the HTTP task that parsed them,
+//! under the state's lock: handing each route to another thread and back cost two context
+//! switches, the largest item in a route's profile (docs/performance.md). Ingest inputs go
+//! through a bounded lane to the writer thread, which applies them one lock at a time and
+//! stands aside between inputs while a gateway input waits, so a route waits for at most the
+//! one input being applied. The lock is the order: the journal sequence is taken under it.
 //!
 //! Journal appends land in sled's memory; a separate flusher makes them durable every
 //! `flush_interval` (group commit) and only then acks the JetStream messages they came from, so
-//! the writer never waits for the disk and a crash never loses an acked event.
+//! neither path waits for the disk and a crash never loses an acked event.
 //!
-//! Every `snapshot_interval` the writer copies the state (its only pause for a snapshot); a
-//! snapshot thread encodes and writes the copy, then applies journal retention. The final
-//! snapshot at shutdown is written by the writer itself, after any periodic one in progress.
+//! Every `snapshot_interval` the writer thread copies the state (the only pause for a snapshot);
+//! a snapshot thread encodes and writes the copy, then applies journal retention. The final
+//! snapshot at shutdown is written by the writer thread itself, after any periodic one in
+//! progress.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::message::Acker;
@@ -22,81 +31,132 @@ use crate::journal::{Journal, JournalEntry, RouteOutcome, Snapshot};
 use crate::metrics;
 use crate::router::{Output, Router};
 
-/// Capacity of the gateway lane (routes, releases, queries).
-const GATEWAY_QUEUE: usize = 65_536;
 /// Capacity of the ingest lane. Small on purpose: a full lane pushes back on NATS (JetStream
-/// flow control) instead of building seconds of backlog that routes would wait behind.
+/// flow control) instead of building seconds of backlog in memory.
 const INGEST_QUEUE: usize = 4_096;
 
-type Query = Box<dyn FnOnce(&Router, u64) + Send>;
-
-#[allow(clippy::large_enum_variant)] // Apply is the hot path; boxing it would allocate per input
 enum Command {
     Apply {
         input: Input,
         source: &'static str,
-        reply: Option<oneshot::Sender<Output>>,
-        ack: Option<Acker>,
+        ack: Option<Ack>,
     },
-    Query(Query),
+    /// A message with nothing to journal (rejected): acked after the entries before it.
+    Ack(Ack),
     Shutdown(oneshot::Sender<()>),
+}
+
+/// A JetStream message to acknowledge once the journal entries up to it are durable.
+pub struct Ack {
+    pub acker: Acker,
+    /// The consumer acks cumulatively (`AckPolicy::All`): acking this message acknowledges every
+    /// earlier one too, so of a flushed group only the last is acked (one publish per flush
+    /// instead of one per message).
+    pub cumulative: bool,
 }
 
 /// Messages waiting for the flush that makes their journal entries durable.
 #[derive(Default)]
 pub struct PendingAcks {
-    acks: Mutex<VecDeque<(u64, Acker)>>,
-    /// Last sequence appended to the journal (at the end of a writer burst).
+    acks: Mutex<VecDeque<(u64, Ack)>>,
+    /// Last sequence appended to the journal.
     appended: AtomicU64,
     /// Last sequence known durable.
     flushed: AtomicU64,
+    /// A journal append failed while acks were cumulative (see [`PendingAcks::queue`]).
+    cumulative_stopped: AtomicBool,
+}
+
+/// What the single writer owns: the router, the journal every input goes to first, and the
+/// clock that stamps inputs.
+pub struct WriterState {
+    router: Router,
+    journal: Journal,
+    clock: Clock,
+    pending: Arc<PendingAcks>,
+}
+
+impl WriterState {
+    /// Journals and applies one input; the next flush makes it durable.
+    fn apply(&mut self, input: Input, source: &str) -> Applied {
+        let applied = apply_journaled(
+            &mut self.router,
+            &self.journal,
+            &mut self.clock,
+            input,
+            source,
+        );
+        self.pending
+            .appended
+            .store(self.router.last_seq(), Ordering::Release);
+        applied
+    }
+}
+
+/// The state behind its lock, and how many gateway inputs are waiting for it.
+struct Shared {
+    /// `None` once the writer has shut down.
+    state: Mutex<Option<WriterState>>,
+    gateway_waiting: AtomicUsize,
+}
+
+impl Shared {
+    fn lock(&self) -> Result<MutexGuard<'_, Option<WriterState>>, WriterGone> {
+        // A panic while applying poisons the lock: the writer is gone, as when its thread died.
+        self.state.lock().map_err(|_| WriterGone)
+    }
+
+    /// Runs `f` on the state for a gateway input. Ingest stands aside while any is waiting.
+    fn with_state_for_gateway<R>(
+        &self,
+        f: impl FnOnce(&mut WriterState) -> R,
+    ) -> Result<R, WriterGone> {
+        self.gateway_waiting.fetch_add(1, Ordering::AcqRel);
+        let result = self
+            .lock()
+            .and_then(|mut guard| guard.as_mut().map(f).ok_or(WriterGone));
+        self.gateway_waiting.fetch_sub(1, Ordering::AcqRel);
+        result
+    }
+
+    /// Waits while gateway inputs are waiting for the state: a route is never queued behind
+    /// more than the one ingest input being applied.
+    fn yield_to_gateway(&self) {
+        while self.gateway_waiting.load(Ordering::Acquire) > 0 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl PendingAcks {
+    /// Queues the ack of a message whose entry is journaled as `seq` (`journaled` false: the
+    /// append failed, and the message must be delivered again). After a failed append no
+    /// cumulative ack is queued again by this process, since it would cover the lost message;
+    /// JetStream redelivers them all after `ack_wait`, or a restart rewinds to the ack floor.
+    fn queue(&self, seq: u64, ack: Ack, journaled: bool) {
+        if !journaled {
+            if ack.cumulative && !self.cumulative_stopped.swap(true, Ordering::AcqRel) {
+                tracing::error!(
+                    seq,
+                    "a journal append failed: acknowledgements stop until kvrouted restarts \
+                     (unacked messages are redelivered, nothing is lost)"
+                );
+            }
+            return;
+        }
+        if ack.cumulative && self.cumulative_stopped.load(Ordering::Acquire) {
+            return;
+        }
+        self.acks.lock().unwrap().push_back((seq, ack));
+    }
 }
 
 /// Handle to the writer; cheap to clone.
-///
-/// Two lanes: gateway commands (routes, releases, queries) are always taken before ingest
-/// (KV events, load samples, ticks), so a burst of events never delays a route by more than the
-/// one input being applied.
 #[derive(Clone)]
 pub struct WriterHandle {
-    gateway: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
     ingest: mpsc::Sender<Command>,
-}
-
-/// The writer's side of the two lanes.
-struct Lanes {
-    gateway: mpsc::Receiver<Command>,
-    ingest: mpsc::Receiver<Command>,
-    runtime: tokio::runtime::Handle,
-}
-
-impl Lanes {
-    /// The next queued command, gateway first, without waiting.
-    fn try_next(&mut self) -> Option<Command> {
-        self.gateway
-            .try_recv()
-            .ok()
-            .or_else(|| self.ingest.try_recv().ok())
-    }
-
-    /// The next command, waiting for one; `None` once every handle is gone.
-    fn next(&mut self) -> Option<Command> {
-        if let Some(cmd) = self.try_next() {
-            return Some(cmd);
-        }
-        let Lanes {
-            gateway,
-            ingest,
-            runtime,
-        } = self;
-        runtime.block_on(async {
-            tokio::select! {
-                biased;
-                cmd = gateway.recv() => cmd,
-                cmd = ingest.recv() => cmd,
-            }
-        })
-    }
+    control: mpsc::Sender<Command>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -104,35 +164,32 @@ impl Lanes {
 pub struct WriterGone;
 
 impl WriterHandle {
-    /// Applies an input and waits for its output.
+    /// Applies a gateway input on the calling task and returns its output. Holds the state's
+    /// lock for the one input: microseconds.
     pub async fn apply(&self, input: Input, source: &'static str) -> Result<Output, WriterGone> {
-        let (reply, rx) = oneshot::channel();
-        self.gateway
-            .send(Command::Apply {
-                input,
-                source,
-                reply: Some(reply),
-                ack: None,
-            })
-            .await
-            .map_err(|_| WriterGone)?;
-        rx.await.map_err(|_| WriterGone)
+        self.shared
+            .with_state_for_gateway(|state| state.apply(input, source).output)
     }
 
-    /// Queues an input; `ack` is acked once its journal entry is durable.
+    /// Queues an ingest input for the writer thread; `ack` is acked once its journal entry is
+    /// durable. Waits while the ingest lane is full.
     pub async fn submit(
         &self,
         input: Input,
         source: &'static str,
-        ack: Option<Acker>,
+        ack: Option<Ack>,
     ) -> Result<(), WriterGone> {
         self.ingest
-            .send(Command::Apply {
-                input,
-                source,
-                reply: None,
-                ack,
-            })
+            .send(Command::Apply { input, source, ack })
+            .await
+            .map_err(|_| WriterGone)
+    }
+
+    /// Acks a message that has nothing to journal once everything queued before it is durable
+    /// (a cumulative ack must not cover earlier messages before their entries are).
+    pub async fn ack_in_order(&self, ack: Ack) -> Result<(), WriterGone> {
+        self.ingest
+            .send(Command::Ack(ack))
             .await
             .map_err(|_| WriterGone)
     }
@@ -142,21 +199,14 @@ impl WriterHandle {
         &self,
         f: impl FnOnce(&Router, u64) -> R + Send + 'static,
     ) -> Result<R, WriterGone> {
-        let (tx, rx) = oneshot::channel();
-        let query: Query = Box::new(move |router, now| {
-            let _ = tx.send(f(router, now));
-        });
-        self.gateway
-            .send(Command::Query(query))
-            .await
-            .map_err(|_| WriterGone)?;
-        rx.await.map_err(|_| WriterGone)
+        self.shared
+            .with_state_for_gateway(|state| f(&state.router, state.clock.now()))
     }
 
     /// Writes a final snapshot and stops the writer.
     pub async fn shutdown(&self) {
         let (tx, rx) = oneshot::channel();
-        if self.gateway.send(Command::Shutdown(tx)).await.is_ok() {
+        if self.control.send(Command::Shutdown(tx)).await.is_ok() {
             let _ = rx.await;
         }
     }
@@ -237,77 +287,119 @@ pub struct Applied {
     pub journaled: bool,
 }
 
+/// The writer thread's side of its two channels.
+struct Lanes {
+    control: mpsc::Receiver<Command>,
+    ingest: mpsc::Receiver<Command>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Lanes {
+    /// The next command, control first, waiting for one until `deadline`. `Ok(None)` at the
+    /// deadline; `Err` once every handle is gone.
+    fn next(&mut self, deadline: Instant) -> Result<Option<Command>, WriterGone> {
+        if let Ok(cmd) = self.control.try_recv() {
+            return Ok(Some(cmd));
+        }
+        if let Ok(cmd) = self.ingest.try_recv() {
+            return Ok(Some(cmd));
+        }
+        let Lanes {
+            control,
+            ingest,
+            runtime,
+        } = self;
+        runtime.block_on(async {
+            tokio::select! {
+                biased;
+                cmd = control.recv() => cmd.map(Some).ok_or(WriterGone),
+                cmd = ingest.recv() => cmd.map(Some).ok_or(WriterGone),
+                _ = tokio::time::sleep_until(deadline.into()) => Ok(None),
+            }
+        })
+    }
+}
+
 /// Starts the writer thread. Returns its handle and the join handle.
 pub fn spawn(
-    mut router: Router,
+    router: Router,
     journal: Journal,
-    mut clock: Clock,
+    clock: Clock,
     pending: Arc<PendingAcks>,
     settings: WriterSettings,
 ) -> (WriterHandle, std::thread::JoinHandle<()>) {
-    let (gateway, gateway_rx) = mpsc::channel::<Command>(GATEWAY_QUEUE);
+    let (control, control_rx) = mpsc::channel::<Command>(1);
     let (ingest, ingest_rx) = mpsc::channel::<Command>(INGEST_QUEUE);
     let mut lanes = Lanes {
-        gateway: gateway_rx,
+        control: control_rx,
         ingest: ingest_rx,
         runtime: tokio::runtime::Handle::current(),
+    };
+    let shared = Arc::new(Shared {
+        state: Mutex::new(Some(WriterState {
+            router,
+            journal: journal.clone(),
+            clock,
+            pending: pending.clone(),
+        })),
+        gateway_waiting: AtomicUsize::new(0),
+    });
+    let handle = WriterHandle {
+        shared: shared.clone(),
+        ingest,
+        control,
     };
     let thread = std::thread::Builder::new()
         .name("kvrouted-writer".into())
         .spawn(move || {
             let mut snapshotter = Snapshotter::start(journal.clone(), &settings);
-            let mut last_snapshot = Instant::now();
-            while let Some(first) = lanes.next() {
-                let mut next = Some(first);
-                // Drain what is queued so the ack bookkeeping happens once per burst.
-                let mut burst = 0;
-                let mut shutdown = None;
-                while let Some(cmd) = next.take() {
-                    match cmd {
-                        Command::Apply {
-                            input,
-                            source,
-                            reply,
-                            ack,
-                        } => {
-                            let applied =
-                                apply_journaled(&mut router, &journal, &mut clock, input, source);
-                            if let Some(ack) = ack.filter(|_| applied.journaled) {
-                                pending.acks.lock().unwrap().push_back((applied.seq, ack));
-                            }
-                            if let Some(reply) = reply {
-                                let _ = reply.send(applied.output);
-                            }
-                        }
-                        Command::Query(f) => f(&router, clock.now()),
-                        Command::Shutdown(done) => {
-                            shutdown = Some(done);
-                            break;
+            let mut next_snapshot = Instant::now() + settings.snapshot_interval;
+            let shutdown = loop {
+                match lanes.next(next_snapshot) {
+                    Ok(Some(Command::Apply { input, source, ack })) => {
+                        shared.yield_to_gateway();
+                        let Ok(mut guard) = shared.lock() else { return };
+                        let Some(state) = guard.as_mut() else { return };
+                        let applied = state.apply(input, source);
+                        // Queued under the lock, so the flusher never sees `appended` past an
+                        // entry whose ack is not queued yet.
+                        if let Some(ack) = ack {
+                            pending.queue(applied.seq, ack, applied.journaled);
                         }
                     }
-                    burst += 1;
-                    if burst < 1024 {
-                        next = lanes.try_next();
+                    Ok(Some(Command::Ack(ack))) => {
+                        pending.queue(pending.appended.load(Ordering::Acquire), ack, true);
                     }
+                    Ok(Some(Command::Shutdown(done))) => break Some(done),
+                    Ok(None) => {}
+                    Err(WriterGone) => break None,
                 }
-                pending.appended.store(router.last_seq(), Ordering::Release);
-                if let Some(done) = shutdown {
-                    // Let a periodic snapshot in progress finish, then write the final one here.
-                    snapshotter.stop();
-                    let snapshot = take_snapshot(&router, &mut clock);
-                    write_snapshot(&journal, &snapshot, &settings.retention());
-                    let _ = journal.flush();
-                    let _ = done.send(());
-                    return;
+                if Instant::now() >= next_snapshot {
+                    if !snapshotter.idle() {
+                        // The previous one is still being written: look again shortly.
+                        next_snapshot = Instant::now() + Duration::from_millis(100);
+                        continue;
+                    }
+                    if let Ok(Some(state)) = shared.lock().as_deref_mut() {
+                        snapshotter.submit(take_snapshot(&state.router, &mut state.clock));
+                    }
+                    next_snapshot = Instant::now() + settings.snapshot_interval;
                 }
-                if last_snapshot.elapsed() >= settings.snapshot_interval && snapshotter.idle() {
-                    snapshotter.submit(take_snapshot(&router, &mut clock));
-                    last_snapshot = Instant::now();
-                }
+            };
+            // Let a periodic snapshot in progress finish, then write the final one here.
+            snapshotter.stop();
+            let state = shared.lock().ok().and_then(|mut guard| guard.take());
+            if let Some(mut state) = state {
+                let snapshot = take_snapshot(&state.router, &mut state.clock);
+                write_snapshot(&journal, &snapshot, &settings.retention());
+                let _ = journal.flush();
+            }
+            if let Some(done) = shutdown {
+                let _ = done.send(());
             }
         })
         .expect("spawn writer thread");
-    (WriterHandle { gateway, ingest }, thread)
+    (handle, thread)
 }
 
 /// Retention settings, as the snapshot thread applies them.
@@ -444,24 +536,29 @@ pub async fn run_flusher(
 /// is acked if the flush fails: those messages stay unacked and are redelivered.
 pub async fn flush_and_ack(journal: &Journal, pending: &PendingAcks) {
     let upto = pending.appended.load(Ordering::Acquire);
-    if upto == pending.flushed.load(Ordering::Acquire) {
-        return;
+    // Acks of rejected messages can wait on entries that an earlier flush already covered.
+    if upto > pending.flushed.load(Ordering::Acquire) {
+        if let Err(e) = journal.flush_async().await {
+            ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
+            tracing::error!(
+                "journal flush failed (messages stay unacked and will be redelivered): {e}"
+            );
+            return;
+        }
+        pending.flushed.fetch_max(upto, Ordering::AcqRel);
     }
-    if let Err(e) = journal.flush_async().await {
-        ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
-        tracing::error!(
-            "journal flush failed (messages stay unacked and will be redelivered): {e}"
-        );
-        return;
-    }
-    pending.flushed.fetch_max(upto, Ordering::AcqRel);
-    let ready: Vec<Acker> = {
+    let ready: Vec<Ack> = {
         let mut acks = pending.acks.lock().unwrap();
         let n = acks.iter().take_while(|(seq, _)| *seq <= upto).count();
         acks.drain(..n).map(|(_, a)| a).collect()
     };
-    for acker in ready {
-        if let Err(e) = acker.ack().await {
+    // Explicit acks one by one; of cumulative ones only the last, which covers the rest.
+    let last_cumulative = ready.iter().rposition(|a| a.cumulative);
+    for (i, ack) in ready.into_iter().enumerate() {
+        if ack.cumulative && Some(i) != last_cumulative {
+            continue;
+        }
+        if let Err(e) = ack.acker.ack().await {
             tracing::debug!("ack failed (message will be redelivered, sequence dedupes it): {e}");
         }
     }

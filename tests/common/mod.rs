@@ -640,3 +640,12 @@ impl Worker {
             .unwrap();
     }
 }
+
+/// Whether the daemon's durable consumer has delivered everything in the stream and every
+/// delivered message is acked: all published events are applied and journaled durably.
+pub async fn consumer_settled(client: &async_nats::Client) -> Option<()> {
+    let js = async_nats::jetstream::new(client.clone());
+    let stream = js.get_stream("KVROUTED").await.ok()?;
+    let info = stream.consumer_info("kvrouted").await.ok()?;
+    (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+}

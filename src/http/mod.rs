@@ -24,6 +24,8 @@ use crate::input::{Input, RejectReason, Rejection, RouteRequest, WorkerId};
 use crate::metrics::reject;
 use crate::router::Output;
 
+mod token_list;
+
 /// Explicit handler state.
 #[derive(Clone)]
 pub struct AppState {
@@ -128,6 +130,22 @@ fn reply<T: Serialize>(headers: &HeaderMap, status: StatusCode, value: &T) -> Re
     }
 }
 
+/// Parses a route body. JSON token lists take [`token_list::split_tokens`]; anything it does
+/// not read exactly goes through serde_json whole, as every other body does.
+fn parse_route_body(headers: &HeaderMap, body: &[u8]) -> Result<RouteBody, ApiError> {
+    if !is_msgpack(headers) {
+        if let Some((rest, tokens)) = token_list::split_tokens(body) {
+            if let Ok(parsed @ RouteBody { tokens: None, .. }) = serde_json::from_slice(&rest) {
+                return Ok(RouteBody {
+                    tokens: Some(tokens),
+                    ..parsed
+                });
+            }
+        }
+    }
+    parse_body(headers, body)
+}
+
 #[derive(Debug, Deserialize)]
 struct RouteBody {
     model: Option<String>,
@@ -223,7 +241,7 @@ async fn route(
     let started = Instant::now();
     let response = async {
         let body = body_bytes(body, limit)?;
-        let body: RouteBody = parse_body(&headers, &body)?;
+        let body = parse_route_body(&headers, &body)?;
         let request = route_request(&state, body)?;
         match state.writer.apply(Input::Route(request), "http").await {
             Ok(Output::Routed(decision)) => Ok(reply(&headers, StatusCode::OK, &decision)),
