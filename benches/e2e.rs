@@ -9,7 +9,7 @@
 //! (default 4), `--concurrency N` (HTTP requests in flight, default 16), `--window N`
 //! (unacknowledged JetStream publishes per connection, default 256), `--modes jetstream,core`,
 //! `--max-seconds N` (default 600). Needs `nats-server` on the PATH, in /usr/sbin, or at
-//! `NATS_SERVER_BIN`.
+//! `NATS_SERVER_BIN`. `E2E_DAEMON_BIN` runs another build of the daemon (for an A/B comparison).
 //!
 //! Per NATS mode (JetStream, then core NATS with `--no-jetstream`), on a fresh broker and data
 //! dir:
@@ -212,7 +212,10 @@ fn start_nats(dir: &Path) -> (Proc, String) {
 
 async fn start_daemon(dir: &Path, nats_url: &str, mode: Mode) -> (Proc, SocketAddr) {
     let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
+    // `E2E_DAEMON_BIN` measures another build of the daemon (an A/B comparison) with this bench.
+    let bin =
+        std::env::var_os("E2E_DAEMON_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_kvrouted").into());
+    let mut cmd = Command::new(bin);
     cmd.arg("serve")
         .args(["--nats-url", nats_url, "--http-addr", &http.to_string()])
         .arg("--data-dir")
