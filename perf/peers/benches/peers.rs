@@ -31,8 +31,9 @@
 //!
 //! Each operation is timed on its own (`Instant` around the call; the timer's own cost is
 //! printed). Each index receives its native input, built before the timer starts. kvrouted's
-//! lookups include chaining the content hashes into its block keys (what a gateway that sends
-//! `tokens` costs it); the peers walk content hashes directly. Result shapes are each API's own:
+//! lookups include chaining the content hashes into its block keys as the walk goes (what a
+//! gateway that sends `tokens` costs it), stopping at the first block no worker continues, as
+//! the peers stop walking content hashes. Result shapes are each API's own:
 //! kvrouted and kv-index write depths into a caller's buffer (`OwnerIndex::walk`,
 //! `ChainIndex::score_into`), dynamo returns a map (`RadixTree::find_matches`), whose drop is
 //! timed too. Memory is the counting allocator's live bytes held by the index after the replay,
@@ -504,26 +505,33 @@ impl<const KEYS_GIVEN: bool> Subject for Kvrouted<KEYS_GIVEN> {
     }
 
     fn lookup(&mut self, locals: &[u64], depth: &mut [u32]) -> (u64, Answer) {
-        let chain_keys = |keys: &mut Vec<u64>| {
-            keys.clear();
-            let mut parent = None;
-            for &local in locals {
-                let key = chain(parent, local);
-                keys.push(key);
-                parent = Some(key);
-            }
-        };
         if KEYS_GIVEN {
-            chain_keys(&mut self.keys);
+            self.keys.clear();
+            self.keys.extend(chain_locals(locals.iter().copied()));
         }
         let t = now();
-        if !KEYS_GIVEN {
-            chain_keys(&mut self.keys);
-        }
         self.depth.fill(0);
         let d = &mut self.depth;
-        self.index
-            .walk(0, &self.keys, |i, owners| extend_depths(d, i, owners));
+        if KEYS_GIVEN {
+            self.index
+                .walk(0, &self.keys, |i, owners| extend_depths(d, i, owners));
+        } else {
+            // Chains each key as the walk reaches it and stops at the first block no worker
+            // continues, as the peers stop walking content hashes.
+            let mut parent = None;
+            for (i, &local) in locals.iter().enumerate() {
+                let key = chain(parent, local);
+                let mut continues = false;
+                self.index.walk(0, &[key], |_, owners| {
+                    continues = extend_depths(d, i, owners);
+                    continues
+                });
+                if !continues {
+                    break;
+                }
+                parent = Some(key);
+            }
+        }
         let ns = ns_since(t);
         depth.copy_from_slice(&self.depth);
         (ns, Answer::Depths)
