@@ -31,9 +31,9 @@
 //!
 //! Each operation is timed on its own (`Instant` around the call; the timer's own cost is
 //! printed). Each index receives its native input, built before the timer starts. kvrouted's
-//! lookups include chaining the content hashes into its block keys as the walk goes (what a
-//! gateway that sends `tokens` costs it), stopping at the first block no worker continues, as
-//! the peers stop walking content hashes. Result shapes are each API's own:
+//! lookups include chaining the content hashes into its block keys, 16 at a time ahead of the
+//! walk (what a gateway that sends `tokens` costs it), stopping at the first block no worker
+//! continues, as the peers stop walking content hashes. Result shapes are each API's own:
 //! kvrouted and kv-index write depths into a caller's buffer (`OwnerIndex::walk`,
 //! `ChainIndex::score_into`), dynamo returns a map (`RadixTree::find_matches`), whose drop is
 //! timed too. Memory is the counting allocator's live bytes held by the index after the replay,
@@ -516,20 +516,28 @@ impl<const KEYS_GIVEN: bool> Subject for Kvrouted<KEYS_GIVEN> {
             self.index
                 .walk(0, &self.keys, |i, owners| extend_depths(d, i, owners));
         } else {
-            // Chains each key as the walk reaches it and stops at the first block no worker
-            // continues, as the peers stop walking content hashes.
+            // Chains keys a chunk ahead of the walk and stops at the first block no worker
+            // continues, as the peers stop walking content hashes. Chunks (not key by key)
+            // keep several probes of a long match in flight at once.
+            const CHUNK: usize = 16;
+            self.keys.clear();
             let mut parent = None;
-            for (i, &local) in locals.iter().enumerate() {
-                let key = chain(parent, local);
-                let mut continues = false;
-                self.index.walk(0, &[key], |_, owners| {
-                    continues = extend_depths(d, i, owners);
+            for chunk in locals.chunks(CHUNK) {
+                let start = self.keys.len();
+                for &local in chunk {
+                    let key = chain(parent, local);
+                    self.keys.push(key);
+                    parent = Some(key);
+                }
+                let (mut reached, mut continues) = (0, true);
+                self.index.walk(0, &self.keys[start..], |i, owners| {
+                    reached = i + 1;
+                    continues = extend_depths(d, start + i, owners);
                     continues
                 });
-                if !continues {
+                if !continues || reached < chunk.len() {
                     break;
                 }
-                parent = Some(key);
             }
         }
         let ns = ns_since(t);
