@@ -1,5 +1,6 @@
 //! The HTTP API (DESIGN.md §7). Handlers are thin: parse and validate, hash tokens into block
-//! keys (here, outside the single writer), hand the input to the writer, shape the reply.
+//! keys (outside the writer's lock), apply the input through the single writer (on this task,
+//! see `daemon::writer`), shape the reply.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
