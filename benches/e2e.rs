@@ -26,8 +26,10 @@
 //! 4. **kvrouted against the HTTP floor** (first mode only: routes do not depend on the NATS
 //!    mode): 4,096-token prompts at concurrency 1 and at `--concurrency`, against the daemon, an
 //!    axum server in this process that returns a fixed decision-shaped JSON (`floor`), and one
-//!    that also parses the JSON token list as kvrouted does (`floor+parse`). The three take turns
-//!    in short rounds so that other load on the machine lands on all of them alike.
+//!    that also parses the JSON body with serde_json (`floor+parse`). The three take turns
+//!    in short rounds so that other load on the machine lands on all of them alike. Then the
+//!    same prompts as `block_keys` (what a gateway that hashes tokens itself sends) at
+//!    concurrency 1, against the same floors with the same bodies.
 //! 5. **combined**: publishers and 1k–32k routes at once.
 //!
 //! The workload: 64 conversation prefixes of 32,768 tokens (2,048 blocks of 16). Each simulated
@@ -594,6 +596,19 @@ fn route_body(j: usize, len: usize) -> Bytes {
     )
 }
 
+/// The same prompt as [`route_body`], sent as the block keys a gateway that hashes tokens itself
+/// sends (`len / 16` keys instead of `len` token ids).
+fn route_body_keys(j: usize, len: usize) -> Bytes {
+    let tokens: Vec<u32> = (0..len).map(|t| token(j, t)).collect();
+    let keys = kvrouted::hashing::block_keys(&tokens, BLOCK);
+    Bytes::from(
+        serde_json::to_vec(
+            &serde_json::json!({ "block_keys": keys, "prompt_tokens": len, "max_output_tokens": 256 }),
+        )
+        .unwrap(),
+    )
+}
+
 /// Bodies with log-uniform prompt lengths between 1k and 32k tokens.
 fn mixed_bodies(n: usize) -> Vec<Bytes> {
     (0..n)
@@ -733,7 +748,10 @@ const FIXED_REPLY: &str = r#"{"worker":"w007","decision":"owner_hold","matched_b
 
 #[derive(Deserialize)]
 struct ParseOnly {
-    tokens: Vec<u32>,
+    #[allow(dead_code)]
+    tokens: Option<Vec<u32>>,
+    #[allow(dead_code)]
+    block_keys: Option<Vec<u64>>,
     #[allow(dead_code)]
     max_output_tokens: Option<u64>,
 }
@@ -745,7 +763,7 @@ async fn floor(body: AxumBytes) -> impl IntoResponse {
 
 async fn floor_parse(body: AxumBytes) -> impl IntoResponse {
     let parsed: ParseOnly = serde_json::from_slice(&body).expect("a route body");
-    std::hint::black_box(parsed.tokens.len());
+    std::hint::black_box(&parsed);
     ([(header::CONTENT_TYPE, "application/json")], FIXED_REPLY)
 }
 
@@ -857,14 +875,23 @@ struct PairedTargets<'a> {
 /// else the machine does lands on all three alike.
 const PAIRED_ROUNDS: u32 = 4;
 
+/// How a paired phase's 4k-token prompts are sent.
+#[derive(Clone, Copy, PartialEq)]
+enum BodyKind {
+    /// `{"tokens": [...4,096 ids...]}`, 24.6 KiB.
+    Tokens,
+    /// `{"block_keys": [...256 keys...]}`, what a gateway that hashes tokens itself sends.
+    BlockKeys,
+}
+
 /// 4k-token route requests at `concurrency` against kvrouted, the floor (fixed reply) and the
-/// floor that also parses the token list; reports all three and kvrouted's own share.
+/// floor that also parses the body; reports all three and kvrouted's own share.
 #[allow(clippy::too_many_arguments)]
 async fn paired_4k(
     o: &Options,
     targets: PairedTargets<'_>,
     pids: &Pids,
-    bodies: Arc<Vec<Bytes>>,
+    (kind, bodies): (BodyKind, Arc<Vec<Bytes>>),
     concurrency: usize,
     mode: Mode,
     report: &mut Report,
@@ -907,8 +934,12 @@ async fn paired_4k(
     let loads: Vec<Load> = raws.into_iter().map(Raw::summary).collect();
     let handler_mean = 1e6 * handler_sum / handler_count.max(1.0);
     let daemon_cores = daemon_ticks as f64 / tck / daemon_secs.max(1e-9);
+    let (what, phase) = match kind {
+        BodyKind::Tokens => ("4k-token prompts", "4k paired"),
+        BodyKind::BlockKeys => ("4k-token prompts as block_keys", "4k block_keys paired"),
+    };
     report.line(format!(
-        "  4k-token prompts, concurrency {concurrency}, {PAIRED_ROUNDS} interleaved rounds:"
+        "  {what}, concurrency {concurrency}, {PAIRED_ROUNDS} interleaved rounds:"
     ));
     for (name, load) in names.iter().zip(&loads) {
         report.line(load_line(name, load));
@@ -916,13 +947,13 @@ async fn paired_4k(
     let share = |route: f64, floor: f64| 100.0 * (1.0 - floor / route);
     let (route, bare, parse) = (&loads[0], &loads[1], &loads[2]);
     report.line(format!(
-        "    daemon handler mean {handler_mean:.1} µs; daemon {daemon_cores:.2} cores while serving. kvrouted's own share of the route: {:.0}% at p50, {:.0}% of the mean; beyond parsing the JSON token list: {:.0}% at p50",
+        "    daemon handler mean {handler_mean:.1} µs; daemon {daemon_cores:.2} cores while serving. kvrouted's own share of the route: {:.0}% at p50, {:.0}% of the mean; beyond parsing the JSON body: {:.0}% at p50",
         share(route.p50_us, bare.p50_us),
         share(route.mean_us, bare.mean_us),
         share(route.p50_us, parse.p50_us),
     ));
     report.json.push(format!(
-        "{{\"mode\":\"{}\",\"phase\":\"4k paired, concurrency {concurrency}\",\"kvrouted\":{},\"floor\":{},\"floor_parse\":{},\"daemon_handler_mean_us\":{handler_mean:.1},\"share_p50_pct\":{:.1},\"share_mean_pct\":{:.1},\"share_beyond_parse_p50_pct\":{:.1}}}",
+        "{{\"mode\":\"{}\",\"phase\":\"{phase}, concurrency {concurrency}\",\"kvrouted\":{},\"floor\":{},\"floor_parse\":{},\"daemon_handler_mean_us\":{handler_mean:.1},\"share_p50_pct\":{:.1},\"share_mean_pct\":{:.1},\"share_beyond_parse_p50_pct\":{:.1}}}",
         mode.name(),
         load_json(route),
         load_json(bare),
@@ -943,6 +974,8 @@ struct Workload {
     mixed: Arc<Vec<Bytes>>,
     /// Route bodies of 4,096 tokens.
     four_k: Arc<Vec<Bytes>>,
+    /// The same prompts as `four_k`, as block keys.
+    four_k_keys: Arc<Vec<Bytes>>,
 }
 
 async fn run_mode(
@@ -954,6 +987,7 @@ async fn run_mode(
     tck: f64,
 ) {
     let (payloads, mixed, four_k) = (w.payloads.clone(), w.mixed.clone(), w.four_k.clone());
+    let four_k_keys = w.four_k_keys.clone();
     let dir = TempDir::new().unwrap();
     let (nats, nats_url) = start_nats(dir.path());
     let me = std::process::id();
@@ -1156,7 +1190,16 @@ async fn run_mode(
 
     // 4. 4k-token routes against the HTTP floor, interleaved so both see the same machine.
     if let Some(floor) = floor {
-        for concurrency in [1, o.concurrency] {
+        let runs = [
+            (BodyKind::Tokens, 1),
+            (BodyKind::Tokens, o.concurrency),
+            (BodyKind::BlockKeys, 1),
+        ];
+        for (kind, concurrency) in runs {
+            let bodies = match kind {
+                BodyKind::Tokens => four_k.clone(),
+                BodyKind::BlockKeys => four_k_keys.clone(),
+            };
             paired_4k(
                 o,
                 PairedTargets {
@@ -1165,7 +1208,7 @@ async fn run_mode(
                     daemon: http,
                 },
                 &pids,
-                four_k.clone(),
+                (kind, bodies),
                 concurrency,
                 mode,
                 report,
@@ -1234,6 +1277,7 @@ fn main() {
         payloads: Arc::new(build_payloads()),
         mixed: Arc::new(mixed_bodies(256)),
         four_k: Arc::new((0..PREFIXES).map(|j| route_body(j, 4096)).collect()),
+        four_k_keys: Arc::new((0..PREFIXES).map(|j| route_body_keys(j, 4096)).collect()),
     };
     let mut report = Report { json: Vec::new() };
     report.line(format!(

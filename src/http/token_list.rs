@@ -47,8 +47,12 @@ fn tokens_start(b: &[u8]) -> Option<usize> {
             return None;
         }
         i = skip_ws(b, i + 1);
-        if key == b"tokens" {
-            return Some(i);
+        match key {
+            b"tokens" => return Some(i),
+            // A body gives tokens or block keys, never both (the handler rejects both), so
+            // there is no token list to find: skipping the keys would be wasted work.
+            b"block_keys" => return None,
+            _ => {}
         }
         i = skip_ws(b, value_end(b, i)?);
         if b.get(i) != Some(&b',') {
@@ -256,6 +260,11 @@ mod tests {
             "an escaped key may spell tokens"
         );
         assert_eq!(split_tokens(br#"{"model":"m"}"#), None, "no tokens member");
+        assert_eq!(
+            split_tokens(br#"{"block_keys":[1,2],"tokens":[1]}"#),
+            None,
+            "a body with block keys goes to serde_json, which reports both members"
+        );
     }
 
     #[test]
