@@ -7,7 +7,7 @@
 use criterion::{criterion_group, BatchSize, Criterion, Throughput};
 use kvrouted::hashing::chain_locals;
 use kvrouted::input::{
-    Input, KvEvent, KvEventBatch, LoadSample, Medium, RouteRequest, Stamped, StoredBlock, WorkerId,
+    Input, KvEventBatch, LoadSample, RouteRequest, Stamped, StoredBlock, WorkerId,
 };
 use kvrouted::router::{Router, RouterConfig};
 
@@ -34,19 +34,7 @@ fn stored_batch(w: usize, chain: u64, part: u64) -> Input {
         })
         .collect();
     let parent = (part > 0).then(|| ((w as u64) << 48) | (base - 1));
-    Input::KvEvents(KvEventBatch {
-        worker: worker(w),
-        model: None,
-        dp_rank: 0,
-        seq: None,
-        events: vec![KvEvent::Stored {
-            parent,
-            blocks,
-            block_size: BLOCK,
-            lora: None,
-            medium: Medium::Gpu,
-        }],
-    })
+    Input::KvEvents(KvEventBatch::stored(worker(w), parent, blocks, BLOCK))
 }
 
 fn stamp(seq: u64, input: Input) -> Stamped {

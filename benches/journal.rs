@@ -111,19 +111,7 @@ impl Traffic {
         Stored {
             worker: w,
             engine: blocks.iter().map(|b| b.engine_hash).collect(),
-            input: Input::KvEvents(KvEventBatch {
-                worker: worker(w),
-                model: None,
-                dp_rank: 0,
-                seq: None,
-                events: vec![KvEvent::Stored {
-                    parent,
-                    blocks,
-                    block_size: 16,
-                    lora: None,
-                    medium: Medium::Gpu,
-                }],
-            }),
+            input: Input::KvEvents(KvEventBatch::stored(worker(w), parent, blocks, 16)),
         }
     }
 

@@ -191,6 +191,31 @@ pub struct KvEventBatch {
     pub events: Vec<KvEvent>,
 }
 
+impl KvEventBatch {
+    /// One `BlockStored` of GPU blocks from `worker`: no model header, dp rank 0, no `Kv-Seq`,
+    /// no LoRA. The plain store that benches, tests and the simulator build.
+    pub fn stored(
+        worker: WorkerId,
+        parent: Option<u64>,
+        blocks: Vec<StoredBlock>,
+        block_size: u32,
+    ) -> KvEventBatch {
+        KvEventBatch {
+            worker,
+            model: None,
+            dp_rank: 0,
+            seq: None,
+            events: vec![KvEvent::Stored {
+                parent,
+                blocks,
+                block_size,
+                lora: None,
+                medium: Medium::Gpu,
+            }],
+        }
+    }
+}
+
 /// A load sample (`kv.load.<worker>`), validated: `kv_usage` is finite and within 0..=1.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadSample {

@@ -1,7 +1,7 @@
 //! The journal on a real sled dir: retention bounds, size accounting, export, refusals.
 
 use super::*;
-use crate::input::{KvEvent, KvEventBatch, LoadSample, Medium, RouteRequest, Stamped, StoredBlock};
+use crate::input::{KvEventBatch, LoadSample, RouteRequest, Stamped, StoredBlock};
 use crate::replay::replay;
 use crate::router::Router;
 
@@ -145,22 +145,18 @@ fn traffic(i: u64) -> Input {
     let w = i % 3;
     match i % 4 {
         0 | 1 => Input::KvEvents(KvEventBatch {
-            worker: worker(w),
-            model: None,
-            dp_rank: 0,
             seq: Some(i + 1),
-            events: vec![KvEvent::Stored {
-                parent: None,
-                blocks: (0..4)
+            ..KvEventBatch::stored(
+                worker(w),
+                None,
+                (0..4)
                     .map(|b| StoredBlock {
                         engine_hash: i * 100 + b,
                         local: (i % 7) * 10 + b,
                     })
                     .collect(),
-                block_size: 16,
-                lora: None,
-                medium: Medium::Gpu,
-            }],
+                16,
+            )
         }),
         2 => Input::Load(LoadSample {
             worker: worker(w),

@@ -80,19 +80,12 @@ impl Fleet {
                 local,
             })
             .collect();
-        let out = self.apply(Input::KvEvents(KvEventBatch {
-            worker: id(worker),
-            model: None,
-            dp_rank: 0,
-            seq: None,
-            events: vec![KvEvent::Stored {
-                parent: None,
-                blocks,
-                block_size: BLOCK,
-                lora: None,
-                medium: Medium::Gpu,
-            }],
-        }));
+        let out = self.apply(Input::KvEvents(KvEventBatch::stored(
+            id(worker),
+            None,
+            blocks,
+            BLOCK,
+        )));
         let Output::Ingested(report) = out else {
             panic!("{out:?}")
         };
@@ -903,26 +896,18 @@ fn scripted_inputs() -> Vec<Stamped> {
                 let keys = chain_locals(locals.iter().copied());
                 push(
                     t,
-                    Input::KvEvents(KvEventBatch {
-                        worker: id(w),
-                        model: None,
-                        dp_rank: 0,
-                        seq: None,
-                        events: vec![KvEvent::Stored {
-                            parent: None,
-                            blocks: keys
-                                .iter()
-                                .zip(&locals)
-                                .map(|(&k, &local)| StoredBlock {
-                                    engine_hash: engine(k),
-                                    local,
-                                })
-                                .collect(),
-                            block_size: BLOCK,
-                            lora: None,
-                            medium: Medium::Gpu,
-                        }],
-                    }),
+                    Input::KvEvents(KvEventBatch::stored(
+                        id(w),
+                        None,
+                        keys.iter()
+                            .zip(&locals)
+                            .map(|(&k, &local)| StoredBlock {
+                                engine_hash: engine(k),
+                                local,
+                            })
+                            .collect(),
+                        BLOCK,
+                    )),
                 );
             }
             4 => push(

@@ -558,6 +558,17 @@ struct Dynamo {
     errors: u64,
 }
 
+impl Dynamo {
+    /// Applies one event to the tree, timed; a refused event counts as an error.
+    fn timed_apply(&mut self, event: RouterEvent) -> u64 {
+        let t = now();
+        let r = self.tree.apply_event(event);
+        let ns = ns_since(t);
+        self.errors += r.is_err() as u64;
+        ns
+    }
+}
+
 impl Subject for Dynamo {
     fn new(_workers: usize) -> Self {
         Dynamo {
@@ -589,11 +600,7 @@ impl Subject for Dynamo {
                 dp_rank: 0,
             },
         );
-        let t = now();
-        let r = self.tree.apply_event(event);
-        let ns = ns_since(t);
-        self.errors += r.is_err() as u64;
-        ns
+        self.timed_apply(event)
     }
 
     fn remove(&mut self, worker: u32, engines: &[u64]) -> u64 {
@@ -611,11 +618,7 @@ impl Subject for Dynamo {
                 dp_rank: 0,
             },
         );
-        let t = now();
-        let r = self.tree.apply_event(event);
-        let ns = ns_since(t);
-        self.errors += r.is_err() as u64;
-        ns
+        self.timed_apply(event)
     }
 
     fn lookup(&mut self, locals: &[u64], depth: &mut [u32]) -> (u64, Answer) {
@@ -787,19 +790,12 @@ impl Subject for FullRouter {
                 local: l,
             })
             .collect();
-        let input = self.stamp(Input::KvEvents(KvEventBatch {
-            worker: self.ids[worker as usize].clone(),
-            model: None,
-            dp_rank: 0,
-            seq: None,
-            events: vec![KvEvent::Stored {
-                parent,
-                blocks,
-                block_size: TRACE_BLOCK,
-                lora: None,
-                medium: Medium::Gpu,
-            }],
-        }));
+        let input = self.stamp(Input::KvEvents(KvEventBatch::stored(
+            self.ids[worker as usize].clone(),
+            parent,
+            blocks,
+            TRACE_BLOCK,
+        )));
         let t = now();
         black_box(self.router.apply(&input));
         ns_since(t)
