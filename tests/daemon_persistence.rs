@@ -28,6 +28,21 @@ where
     (status.success(), status.code(), stdout, stderr)
 }
 
+/// `kvrouted journal export` of the data dir `dir` into `work`; returns the export's path.
+fn export_journal(dir: &Path, work: &Path) -> PathBuf {
+    let exported = work.join("journal.kvj");
+    let (ok, _, _, stderr) = kvrouted([
+        "journal".as_ref(),
+        "export".as_ref(),
+        "--data-dir".as_ref(),
+        dir.as_os_str(),
+        "--out".as_ref(),
+        exported.as_os_str(),
+    ]);
+    assert!(ok, "journal export succeeds: {stderr}");
+    exported
+}
+
 /// The log without ANSI colour codes.
 fn plain(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -584,16 +599,7 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
     }
 
     // The portable export replays to the same decision stream.
-    let exported = work.path().join("journal.kvj");
-    let (ok, _, _, stderr) = kvrouted([
-        "journal".as_ref(),
-        "export".as_ref(),
-        "--data-dir".as_ref(),
-        dir.as_os_str(),
-        "--out".as_ref(),
-        exported.as_os_str(),
-    ]);
-    assert!(ok, "journal export succeeds: {stderr}");
+    let exported = export_journal(&dir, work.path());
     let out2 = work.path().join("decisions-from-export.jsonl");
     let (ok, _, stdout, stderr) = kvrouted([
         "replay".as_ref(),
@@ -742,16 +748,7 @@ async fn a_journal_pruned_by_retention_still_replays_every_decision_after_its_ol
         "the decisions kept are the ones routed after the snapshot"
     );
 
-    let exported = work.path().join("journal.kvj");
-    let (ok, _, _, stderr) = kvrouted([
-        "journal".as_ref(),
-        "export".as_ref(),
-        "--data-dir".as_ref(),
-        dir.as_os_str(),
-        "--out".as_ref(),
-        exported.as_os_str(),
-    ]);
-    assert!(ok, "{stderr}");
+    let exported = export_journal(&dir, work.path());
     let (ok, _, stdout, stderr) = kvrouted([
         "replay".as_ref(),
         "--journal".as_ref(),
