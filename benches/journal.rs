@@ -146,16 +146,13 @@ impl Traffic {
 }
 
 fn evict(worker_slot: usize, engine: Vec<u64>) -> Input {
-    Input::KvEvents(KvEventBatch {
-        worker: worker(worker_slot),
-        model: None,
-        dp_rank: 0,
-        seq: None,
-        events: vec![KvEvent::Removed {
+    Input::KvEvents(KvEventBatch::of(
+        worker(worker_slot),
+        vec![KvEvent::Removed {
             engine_hashes: engine,
             medium: Medium::Gpu,
         }],
-    })
+    ))
 }
 
 /// Flushes the journal every [`FLUSH_EVERY`] on its own thread, like the daemon's flusher.

@@ -192,27 +192,35 @@ pub struct KvEventBatch {
 }
 
 impl KvEventBatch {
-    /// One `BlockStored` of GPU blocks from `worker`: no model header, dp rank 0, no `Kv-Seq`,
-    /// no LoRA. The plain store that benches, tests and the simulator build.
+    /// A batch of `events` from `worker` without headers: no model, dp rank 0, no `Kv-Seq`.
+    pub fn of(worker: WorkerId, events: Vec<KvEvent>) -> KvEventBatch {
+        KvEventBatch {
+            worker,
+            model: None,
+            dp_rank: 0,
+            seq: None,
+            events,
+        }
+    }
+
+    /// A batch of one `BlockStored` of GPU blocks without LoRA: the plain store that benches,
+    /// tests and the simulator build.
     pub fn stored(
         worker: WorkerId,
         parent: Option<u64>,
         blocks: Vec<StoredBlock>,
         block_size: u32,
     ) -> KvEventBatch {
-        KvEventBatch {
+        KvEventBatch::of(
             worker,
-            model: None,
-            dp_rank: 0,
-            seq: None,
-            events: vec![KvEvent::Stored {
+            vec![KvEvent::Stored {
                 parent,
                 blocks,
                 block_size,
                 lora: None,
                 medium: Medium::Gpu,
             }],
-        }
+        )
     }
 }
 

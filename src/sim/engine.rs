@@ -581,13 +581,7 @@ impl Sim<'_> {
 
     /// A batch of one event; its `Kv-Seq` is set when it is delivered.
     fn kv_batch(&self, w: usize, event: KvEvent) -> Input {
-        Input::KvEvents(KvEventBatch {
-            worker: self.workers[w].id.clone(),
-            model: None,
-            dp_rank: 0,
-            seq: None,
-            events: vec![event],
-        })
+        Input::KvEvents(KvEventBatch::of(self.workers[w].id.clone(), vec![event]))
     }
 
     fn finish(&mut self, r: usize) {
