@@ -9,6 +9,7 @@
 //! Both are keyed by (namespace, block key); a namespace is one (model, LoRA) pair.
 
 mod approx;
+mod key_table;
 mod owner_map;
 mod owners;
 

@@ -1,18 +1,24 @@
 //! Block key → owner slots, packed: the index's dominant memory cost.
 //!
 //! Most blocks have one or two owners. Those are stored inline as two `u32` slots in one `u64`
-//! map value (16 bytes per block with the key); a block with more owner entries moves them to
-//! an overflow map.
+//! table value (16 bytes per block with the key); a block with more owner entries keeps them in
+//! an overflow slab, and its inline value names the slab entry, so reading a popular block's
+//! owners costs one table probe and one indexed load, not a second hash lookup.
+
+use std::fmt;
 
 use rustc_hash::FxHashMap;
-use serde::{Deserialize, Serialize};
+use serde::ser::{SerializeMap, SerializeStruct};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use smallvec::{smallvec, SmallVec};
 
+use super::key_table::KeyTable;
 use super::Slot;
 
 /// Marks an unused inline position.
 const EMPTY: Slot = Slot::MAX;
-/// Marks a block whose owners live in the overflow map.
+/// In the first inline position: the block's owners live in the overflow slab, at the index in
+/// the second position.
 const OVERFLOW: Slot = Slot::MAX - 1;
 
 /// Largest usable slot number (the two above are markers).
@@ -26,58 +32,72 @@ fn unpack(v: u64) -> (Slot, Slot) {
     (v as Slot, (v >> 32) as Slot)
 }
 
+/// Owner entries of one block with more than two; up to the default ceiling of four without a
+/// heap allocation.
+type Overflow = SmallVec<[Slot; 4]>;
+
 /// A multiset of owner slots per block key: a slot may appear more than once (one entry per
 /// engine hash of that worker mapping to the block).
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[derive(Default, Clone)]
 pub struct OwnerMap {
-    inline: FxHashMap<u64, u64>,
-    /// Up to the default ceiling of four owners without a heap allocation.
-    overflow: FxHashMap<u64, SmallVec<[Slot; 4]>>,
+    inline: KeyTable,
+    /// Owner lists of blocks with more than two entries; `free` lists the unused indexes.
+    overflow: Vec<Overflow>,
+    free: Vec<Slot>,
 }
 
 impl OwnerMap {
     /// Adds one owner entry.
     pub fn add(&mut self, key: u64, slot: Slot) {
         debug_assert!(slot <= MAX_SLOT);
-        let packed = self.inline.entry(key).or_insert(pack(EMPTY, EMPTY));
+        let packed = self.inline.get_or_insert(key, pack(EMPTY, EMPTY));
         match unpack(*packed) {
-            (OVERFLOW, _) => self.overflow.entry(key).or_default().push(slot),
+            (OVERFLOW, at) => self.overflow[at as usize].push(slot),
             (EMPTY, _) => *packed = pack(slot, EMPTY),
             (a, EMPTY) => *packed = pack(a, slot),
             (a, b) => {
-                self.overflow.insert(key, smallvec![a, b, slot]);
-                *packed = pack(OVERFLOW, OVERFLOW);
+                let owners = smallvec![a, b, slot];
+                let at = match self.free.pop() {
+                    Some(at) => {
+                        self.overflow[at as usize] = owners;
+                        at
+                    }
+                    None => {
+                        self.overflow.push(owners);
+                        (self.overflow.len() - 1) as Slot
+                    }
+                };
+                *packed = pack(OVERFLOW, at);
             }
         }
     }
 
     /// Removes one owner entry. False if `slot` was not an owner of `key`.
     pub fn remove(&mut self, key: u64, slot: Slot) -> bool {
-        let Some(packed) = self.inline.get_mut(&key) else {
+        let Some(packed) = self.inline.get_mut(key) else {
             return false;
         };
         match unpack(*packed) {
-            (OVERFLOW, _) => {
-                let owners = self
-                    .overflow
-                    .get_mut(&key)
-                    .expect("overflowed block has owners");
+            (OVERFLOW, at) => {
+                let owners = &mut self.overflow[at as usize];
                 let Some(i) = owners.iter().position(|&s| s == slot) else {
                     return false;
                 };
                 owners.swap_remove(i);
                 if owners.len() == 2 {
                     *packed = pack(owners[0], owners[1]);
-                    self.overflow.remove(&key);
+                    // Release the list's heap memory, if it had any, with the entry.
+                    self.overflow[at as usize] = Overflow::new();
+                    self.free.push(at);
                 }
                 true
             }
+            (a, EMPTY) if a == slot => {
+                self.inline.remove(key);
+                true
+            }
             (a, b) if a == slot => {
-                if b == EMPTY {
-                    self.inline.remove(&key);
-                } else {
-                    *packed = pack(b, EMPTY);
-                }
+                *packed = pack(b, EMPTY);
                 true
             }
             (a, b) if b == slot => {
@@ -90,12 +110,18 @@ impl OwnerMap {
 
     /// Calls `f` with the owner entries of `key`, if it has any.
     pub fn with_owners<R>(&self, key: u64, f: impl FnOnce(&[Slot]) -> R) -> Option<R> {
-        let packed = *self.inline.get(&key)?;
+        let packed = self.inline.get(key)?;
         Some(match unpack(packed) {
-            (OVERFLOW, _) => f(&self.overflow[&key]),
+            (OVERFLOW, at) => f(&self.overflow[at as usize]),
             (a, EMPTY) => f(&[a]),
             (a, b) => f(&[a, b]),
         })
+    }
+
+    /// See [`KeyTable::prefetch`].
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        self.inline.prefetch(key);
     }
 
     /// Distinct blocks with at least one owner.
@@ -104,6 +130,91 @@ impl OwnerMap {
     }
 }
 
+impl fmt::Debug for OwnerMap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(
+                self.inline
+                    .iter()
+                    .map(|(k, _)| (k, self.with_owners(k, <[Slot]>::to_vec))),
+            )
+            .finish()
+    }
+}
+
+/// The snapshot form, unchanged since the overflow lived in a hash map of its own: `inline`
+/// maps every block to its packed pair (both positions [`OVERFLOW`] for an overflowed block),
+/// `overflow` maps overflowed blocks to their owner lists.
+#[derive(Deserialize)]
+#[cfg_attr(test, derive(Serialize, PartialEq, Debug))]
+struct OwnerMapWire {
+    inline: FxHashMap<u64, u64>,
+    overflow: FxHashMap<u64, Overflow>,
+}
+
+impl OwnerMap {
+    fn overflowed(&self) -> impl Iterator<Item = (u64, &Overflow)> + '_ {
+        self.inline.iter().filter_map(|(k, v)| match unpack(v) {
+            (OVERFLOW, at) => Some((k, &self.overflow[at as usize])),
+            _ => None,
+        })
+    }
+}
+
+impl Serialize for OwnerMap {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        struct Inline<'a>(&'a OwnerMap);
+        impl Serialize for Inline<'_> {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                let mut map = serializer.serialize_map(Some(self.0.inline.len()))?;
+                for (k, v) in self.0.inline.iter() {
+                    let v = match unpack(v) {
+                        (OVERFLOW, _) => pack(OVERFLOW, OVERFLOW),
+                        _ => v,
+                    };
+                    map.serialize_entry(&k, &v)?;
+                }
+                map.end()
+            }
+        }
+        struct Overflowed<'a>(&'a OwnerMap);
+        impl Serialize for Overflowed<'_> {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                let count = self.0.overflow.len() - self.0.free.len();
+                let mut map = serializer.serialize_map(Some(count))?;
+                for (k, owners) in self.0.overflowed() {
+                    map.serialize_entry(&k, owners)?;
+                }
+                map.end()
+            }
+        }
+        let mut s = serializer.serialize_struct("OwnerMap", 2)?;
+        s.serialize_field("inline", &Inline(self))?;
+        s.serialize_field("overflow", &Overflowed(self))?;
+        s.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for OwnerMap {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut wire = OwnerMapWire::deserialize(deserializer)?;
+        let mut map = OwnerMap::default();
+        for (key, packed) in wire.inline {
+            let packed = match unpack(packed) {
+                (OVERFLOW, _) => {
+                    let owners = wire.overflow.remove(&key).ok_or_else(|| {
+                        serde::de::Error::custom(format!("block {key:#x} overflows to no owners"))
+                    })?;
+                    map.overflow.push(owners);
+                    pack(OVERFLOW, (map.overflow.len() - 1) as Slot)
+                }
+                _ => packed,
+            };
+            map.inline.insert(key, packed);
+        }
+        Ok(map)
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,11 +240,43 @@ mod tests {
         assert!(map.remove(7, 4));
         assert_eq!(owners(&map, 7), vec![1, 3], "back to two inline entries");
         assert!(
-            map.overflow.is_empty(),
-            "overflow is released when two entries remain"
+            map.overflow.iter().all(|o| o.is_empty()) && map.free.len() == map.overflow.len(),
+            "the overflow entry is released when two entries remain"
         );
         assert!(!map.remove(7, 9), "a non-owner is not removed");
         assert!(map.remove(7, 3) && map.remove(7, 1));
         assert_eq!(map.len(), 0, "a block without owners is dropped");
+    }
+
+    #[test]
+    fn snapshots_keep_the_form_written_before_the_overflow_slab() {
+        let mut map = OwnerMap::default();
+        for (key, slots) in [(1u64, &[5u32][..]), (2, &[5, 6]), (3, &[1, 2, 3, 1])] {
+            for &slot in slots {
+                map.add(key, slot);
+            }
+        }
+        let wire: OwnerMapWire =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&map).unwrap()).expect("decodes as before");
+        let expected = OwnerMapWire {
+            inline: [
+                (1, pack(5, EMPTY)),
+                (2, pack(5, 6)),
+                (3, pack(OVERFLOW, OVERFLOW)),
+            ]
+            .into_iter()
+            .collect(),
+            overflow: [(3, smallvec![1, 2, 3, 1])].into_iter().collect(),
+        };
+        assert_eq!(wire, expected, "the snapshot form is unchanged");
+        let back: OwnerMap =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&expected).unwrap()).expect("old form loads");
+        for key in 1..=3 {
+            assert_eq!(
+                owners(&back, key),
+                owners(&map, key),
+                "an old snapshot loads the same owners"
+            );
+        }
     }
 }

@@ -1,0 +1,367 @@
+//! A `u64 → u64` hash table for the owner map (block key → packed owners), the index's one
+//! table shared by every worker and the one each route probes block by block.
+//!
+//! Linear probing with backward-shift deletion, so a removal leaves no tombstone behind. That is
+//! the reason this table exists: hashbrown marks removed buckets as tombstones, and under the
+//! steady store/evict churn of a KV cache those tombstones make its tables double and stay
+//! doubled (in the peer benchmark at 16 workers, four buckets per live block). Here the table's
+//! size follows its live entries only, between [`MIN_LOAD`] and [`MAX_LOAD`].
+//!
+//! Like hashbrown, each bucket has a one-byte tag in a separate dense array, so a probe reads
+//! mostly tags: inserting a new key (a probe that ends at a free tag) does not wait for a cache
+//! miss on the 16-byte buckets, and the bucket itself is only written.
+//!
+//! The price of the higher load is speed under churn: a remove plus an insert costs about 1.6×
+//! hashbrown's at the load hashbrown settles at (`docs/performance.md`, Round 4). So the
+//! per-worker engine-hash maps, which see the same churn, stay hashbrown tables.
+//!
+//! Keys are hashes already (xxh3 chains), but gateways may send any `u64` as a block key, so the
+//! bucket is picked by a multiplicative (Fibonacci) hash of the key's bits: keys that differ
+//! only in their high or low bits still spread.
+
+use std::fmt;
+
+use serde::de::{MapAccess, Visitor};
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The tag of a free bucket. A used bucket's tag has its top bit set.
+const FREE: u8 = 0;
+
+/// Grow when live entries would pass 3/4 of the buckets: short probe runs (about 2.5 buckets
+/// for a miss on average).
+const MAX_LOAD: (usize, usize) = (3, 4);
+/// Shrink when live entries fall below 1/8 of the buckets (after the grow point halves, load is
+/// 3/8, so a table never bounces between the two).
+const MIN_LOAD: (usize, usize) = (1, 8);
+/// Smallest non-empty table.
+const MIN_BUCKETS: usize = 8;
+
+#[derive(Clone)]
+pub struct KeyTable {
+    /// One per bucket: [`FREE`], or a used bucket's tag ([`KeyTable::tag`] of its key). Length
+    /// is zero or a power of two.
+    tags: Box<[u8]>,
+    /// `(key, value)`, meaningful where the tag is not free.
+    buckets: Box<[(u64, u64)]>,
+    len: usize,
+    /// `64 - log2(buckets)`: the hash's top bits pick the bucket.
+    shift: u32,
+}
+
+impl Default for KeyTable {
+    fn default() -> Self {
+        KeyTable {
+            tags: Box::new([]),
+            buckets: Box::new([]),
+            len: 0,
+            shift: 64,
+        }
+    }
+}
+
+impl fmt::Debug for KeyTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+fn hash(key: u64) -> u64 {
+    key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl KeyTable {
+    fn mask(&self) -> usize {
+        self.tags.len() - 1
+    }
+
+    /// The bucket a key's probe run starts at. Only called on a non-empty table.
+    fn home(&self, key: u64) -> usize {
+        (hash(key) >> self.shift) as usize
+    }
+
+    /// Seven hash bits below the ones [`home`](Self::home) uses (tables stay far below 2^56
+    /// buckets), with the top bit set so a used tag is never [`FREE`].
+    fn tag(key: u64) -> u8 {
+        (hash(key) >> 24) as u8 | 0x80
+    }
+
+    /// The bucket holding `key`, or the free bucket that ends its probe run.
+    fn probe(&self, key: u64) -> (usize, bool) {
+        let (mask, tag) = (self.mask(), Self::tag(key));
+        let mut i = self.home(key);
+        loop {
+            match self.tags[i] {
+                FREE => return (i, false),
+                t if t == tag && self.buckets[i].0 == key => return (i, true),
+                _ => i = (i + 1) & mask,
+            }
+        }
+    }
+
+    /// Asks the CPU to start loading `key`'s tag and bucket, for a caller about to look up
+    /// several keys: their cache misses then overlap instead of queueing.
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        #[cfg(target_arch = "x86_64")]
+        if !self.tags.is_empty() {
+            let i = self.home(key);
+            // SAFETY: a prefetch is a hint; it never faults, and both pointers are in bounds.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                _mm_prefetch::<_MM_HINT_T0>((&self.tags[i] as *const u8).cast());
+                _mm_prefetch::<_MM_HINT_T0>((&self.buckets[i] as *const (u64, u64)).cast());
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = key;
+    }
+
+    pub fn get(&self, key: u64) -> Option<u64> {
+        if self.tags.is_empty() {
+            return None;
+        }
+        match self.probe(key) {
+            (i, true) => Some(self.buckets[i].1),
+            _ => None,
+        }
+    }
+
+    pub fn get_mut(&mut self, key: u64) -> Option<&mut u64> {
+        if self.tags.is_empty() {
+            return None;
+        }
+        match self.probe(key) {
+            (i, true) => Some(&mut self.buckets[i].1),
+            _ => None,
+        }
+    }
+
+    /// The value of `key`, inserting `default` first if the key is absent.
+    pub fn get_or_insert(&mut self, key: u64, default: u64) -> &mut u64 {
+        self.reserve_one();
+        let (i, found) = self.probe(key);
+        if !found {
+            self.put(i, key, default);
+        }
+        &mut self.buckets[i].1
+    }
+
+    /// Sets `key` to `value`; returns the value it replaced.
+    pub fn insert(&mut self, key: u64, value: u64) -> Option<u64> {
+        self.reserve_one();
+        match self.probe(key) {
+            (i, true) => Some(std::mem::replace(&mut self.buckets[i].1, value)),
+            (i, false) => {
+                self.put(i, key, value);
+                None
+            }
+        }
+    }
+
+    fn put(&mut self, i: usize, key: u64, value: u64) {
+        self.tags[i] = Self::tag(key);
+        self.buckets[i] = (key, value);
+        self.len += 1;
+    }
+
+    /// Removes `key`; returns its value. The entries after it in its probe run shift back into
+    /// the hole, so every remaining key stays reachable from its home bucket without a marker.
+    pub fn remove(&mut self, key: u64) -> Option<u64> {
+        if self.tags.is_empty() {
+            return None;
+        }
+        let (mut hole, true) = self.probe(key) else {
+            return None;
+        };
+        let value = self.buckets[hole].1;
+        let mask = self.mask();
+        let mut i = hole;
+        loop {
+            i = (i + 1) & mask;
+            if self.tags[i] == FREE {
+                break;
+            }
+            // The entry at `i` may fill the hole unless its home lies after the hole (cyclically,
+            // in `(hole, i]`): moving it before its home would hide it from its own probe.
+            let home = self.home(self.buckets[i].0);
+            if i.wrapping_sub(home) & mask >= i.wrapping_sub(hole) & mask {
+                self.tags[hole] = self.tags[i];
+                self.buckets[hole] = self.buckets[i];
+                hole = i;
+            }
+        }
+        self.tags[hole] = FREE;
+        self.len -= 1;
+        if self.tags.len() > MIN_BUCKETS && self.len * MIN_LOAD.1 < self.tags.len() * MIN_LOAD.0 {
+            self.resize(self.tags.len() / 2);
+        }
+        Some(value)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Every `(key, value)`, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.tags
+            .iter()
+            .zip(self.buckets.iter())
+            .filter(|(&t, _)| t != FREE)
+            .map(|(_, &entry)| entry)
+    }
+
+    fn reserve_one(&mut self) {
+        let buckets = self.tags.len();
+        if (self.len + 1) * MAX_LOAD.1 > buckets * MAX_LOAD.0 {
+            self.resize((buckets * 2).max(MIN_BUCKETS));
+        }
+    }
+
+    fn resize(&mut self, buckets: usize) {
+        debug_assert!(buckets.is_power_of_two() && self.len * MAX_LOAD.1 <= buckets * MAX_LOAD.0);
+        let old_tags = std::mem::replace(&mut self.tags, vec![FREE; buckets].into_boxed_slice());
+        let old = std::mem::replace(&mut self.buckets, vec![(0, 0); buckets].into_boxed_slice());
+        self.shift = 64 - buckets.trailing_zeros();
+        for (&tag, &(key, value)) in old_tags.iter().zip(old.iter()) {
+            if tag != FREE {
+                let (i, _) = self.probe(key);
+                self.tags[i] = tag;
+                self.buckets[i] = (key, value);
+            }
+        }
+    }
+}
+
+/// Serialized as a map, exactly as the `FxHashMap<u64, u64>` it replaced, so snapshots written
+/// before it still load.
+impl Serialize for KeyTable {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.len()))?;
+        for (k, v) in self.iter() {
+            map.serialize_entry(&k, &v)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for KeyTable {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct TableVisitor;
+        impl<'de> Visitor<'de> for TableVisitor {
+            type Value = KeyTable;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a map of u64 to u64")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<KeyTable, A::Error> {
+                let mut table = KeyTable::default();
+                while let Some((k, v)) = access.next_entry::<u64, u64>()? {
+                    table.insert(k, v);
+                }
+                Ok(table)
+            }
+        }
+        deserializer.deserialize_map(TableVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u64, u64),
+        Remove(u64),
+    }
+
+    /// Keys from a small pool (so removals hit), including 0 and keys that share their low or
+    /// high bits (so probe runs collide and wrap).
+    fn key() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            (0u64..64),
+            (0u64..64).prop_map(|k| k << 58),
+            (0u64..64).prop_map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        ]
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (key(), any::<u64>()).prop_map(|(k, v)| Op::Insert(k, v)),
+            key().prop_map(Op::Remove),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn behaves_like_a_hash_map_through_any_churn(ops in prop::collection::vec(op(), 0..600)) {
+            let mut table = KeyTable::default();
+            let mut model = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Insert(k, v) => prop_assert_eq!(table.insert(k, v), model.insert(k, v)),
+                    Op::Remove(k) => prop_assert_eq!(table.remove(k), model.remove(&k)),
+                }
+                prop_assert_eq!(table.len(), model.len(), "len counts live entries");
+            }
+            for (&k, &v) in &model {
+                prop_assert_eq!(table.get(k), Some(v), "every live key stays reachable");
+            }
+            let mut entries: Vec<_> = table.iter().collect();
+            entries.sort_unstable();
+            let mut expected: Vec<_> = model.into_iter().collect();
+            expected.sort_unstable();
+            prop_assert_eq!(entries, expected, "iteration yields exactly the live entries");
+        }
+    }
+
+    #[test]
+    fn size_follows_live_entries_under_churn() {
+        let mut table = KeyTable::default();
+        // A sliding window of 1,000 live keys over 200,000 insertions: an LRU's steady state.
+        for k in 1..=200_000u64 {
+            table.insert(k, k);
+            if k > 1_000 {
+                assert_eq!(table.remove(k - 1_000), Some(k - 1_000));
+            }
+        }
+        assert_eq!(table.len(), 1_000);
+        assert!(
+            table.tags.len() <= 2_048,
+            "churn must not grow the table past what 1,000 live keys need: {} buckets",
+            table.tags.len()
+        );
+        for k in 199_001..=200_000 {
+            table.remove(k);
+        }
+        assert!(
+            table.tags.len() <= MIN_BUCKETS,
+            "an emptied table shrinks back: {} buckets",
+            table.tags.len()
+        );
+    }
+
+    #[test]
+    fn serializes_as_the_hash_map_it_replaced() {
+        let mut table = KeyTable::default();
+        let mut map = rustc_hash::FxHashMap::default();
+        for k in [0u64, 1, 7, u64::MAX] {
+            table.insert(k, k ^ 5);
+            map.insert(k, k ^ 5);
+        }
+        let from_table: rustc_hash::FxHashMap<u64, u64> =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&table).unwrap()).unwrap();
+        assert_eq!(from_table, map, "a table reads back as a map");
+        let from_map: KeyTable = rmp_serde::from_slice(&rmp_serde::to_vec(&map).unwrap()).unwrap();
+        let mut entries: Vec<_> = from_map.iter().collect();
+        entries.sort_unstable();
+        assert_eq!(
+            entries,
+            vec![(0, 5), (1, 4), (7, 2), (u64::MAX, u64::MAX ^ 5)],
+            "a map written before the table loads into it"
+        );
+    }
+}
