@@ -54,7 +54,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use bytes::Bytes;
 use futures::StreamExt;
-use kvrouted::wire::{encode_vllm_batch, VllmEvent};
+use kvrouted::wire::{encode_load, encode_vllm_batch, VllmEvent};
 use serde::Deserialize;
 use tempfile::TempDir;
 
@@ -584,6 +584,37 @@ fn sim_workers(o: &Options) -> Arc<Mutex<Vec<SimWorker>>> {
     ))
 }
 
+/// Publishes a load sample for every simulated worker every `5s` until dropped, as a real
+/// worker's metrics loop does. Without it the workers fall silent once publishing stops, and
+/// the later route phases run into `worker_ttl` (60s): every worker ages out, and routes get
+/// `503`s.
+struct Heartbeat(tokio::task::JoinHandle<()>);
+
+impl Heartbeat {
+    async fn start(nats_url: &str, workers: usize) -> Heartbeat {
+        let client = async_nats::connect(nats_url).await.unwrap();
+        let sample = Bytes::from(encode_load(0.3, 4, 0, Some(64), 0.0, None));
+        Heartbeat(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                for w in 0..workers {
+                    // A lost sample is made up 5s later; the daemon counts any it rejects.
+                    let _ = client
+                        .publish(format!("kv.load.w{w:03}"), sample.clone())
+                        .await;
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // HTTP load.
 
@@ -625,6 +656,8 @@ fn mixed_bodies(n: usize) -> Vec<Bytes> {
 struct Load {
     requests: u64,
     errors: u64,
+    /// The first failed request's status and body (or transport error), for the report.
+    first_error: Option<String>,
     per_s: f64,
     p50_us: f64,
     p99_us: f64,
@@ -646,6 +679,7 @@ fn pct(sorted: &[u64], p: f64) -> f64 {
 struct Raw {
     lat: Vec<u64>,
     errors: u64,
+    first_error: Option<String>,
     bytes: u64,
     secs: f64,
 }
@@ -654,6 +688,7 @@ impl Raw {
     fn add(&mut self, other: Raw) {
         self.lat.extend(other.lat);
         self.errors += other.errors;
+        self.first_error = self.first_error.take().or(other.first_error);
         self.bytes += other.bytes;
         self.secs += other.secs;
     }
@@ -664,6 +699,7 @@ impl Raw {
         Load {
             requests: self.lat.len() as u64,
             errors: self.errors,
+            first_error: self.first_error,
             per_s: self.lat.len() as f64 / self.secs.max(1e-9),
             p50_us: pct(&self.lat, 0.5),
             p99_us: pct(&self.lat, 0.99),
@@ -695,7 +731,7 @@ async fn http_load_raw(
                 n += concurrency;
                 raw.bytes += body.len() as u64;
                 let t = Instant::now();
-                let ok = match client
+                let error = match client
                     .post(&url)
                     .header(header::CONTENT_TYPE, "application/json")
                     .body(body)
@@ -704,12 +740,22 @@ async fn http_load_raw(
                 {
                     Ok(r) => {
                         let status = r.status();
-                        r.bytes().await.is_ok() && status.is_success()
+                        match r.bytes().await {
+                            Ok(_) if status.is_success() => None,
+                            Ok(body) => Some(format!(
+                                "{status}: {}",
+                                String::from_utf8_lossy(&body[..body.len().min(200)])
+                            )),
+                            Err(e) => Some(e.to_string()),
+                        }
                     }
-                    Err(_) => false,
+                    Err(e) => Some(e.to_string()),
                 };
                 raw.lat.push(t.elapsed().as_nanos() as u64);
-                raw.errors += !ok as u64;
+                if let Some(error) = error {
+                    raw.errors += 1;
+                    raw.first_error.get_or_insert(error);
+                }
             }
             raw
         }));
@@ -849,10 +895,15 @@ impl Report {
 }
 
 fn load_line(what: &str, l: &Load) -> String {
-    format!(
+    let mut line = format!(
         "  {what:<34} {:>8.0} req/s  p50 {:>8.1} µs  p99 {:>8.1} µs  p999 {:>8.1} µs  mean {:>8.1} µs  ({} requests, {} errors, {:.1} KiB/body)",
         l.per_s, l.p50_us, l.p99_us, l.p999_us, l.mean_us, l.requests, l.errors, l.body_kib
-    )
+    );
+    if let Some(error) = &l.first_error {
+        // Failed requests are counted in the latencies: the figures above are not clean.
+        line.push_str(&format!("\n    FAILED REQUESTS; the first: {error}"));
+    }
+    line
 }
 
 fn load_json(l: &Load) -> String {
@@ -1083,6 +1134,7 @@ async fn run_mode(
         // Core NATS readiness does not wait for the subscriptions to reach the server.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let _heartbeat = Heartbeat::start(&nats_url, o.publishers * o.workers_per_publisher).await;
     let pids = Pids {
         daemon: daemon.pid(),
         nats: nats.pid(),
