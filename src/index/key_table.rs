@@ -36,6 +36,8 @@ const MAX_LOAD: (usize, usize) = (3, 4);
 const MIN_LOAD: (usize, usize) = (1, 8);
 /// Smallest non-empty table.
 const MIN_BUCKETS: usize = 8;
+/// How many keys ahead of the one being read [`KeyTable::walk`] prefetches.
+const PREFETCH_AHEAD: usize = 4;
 
 #[derive(Clone)]
 pub struct KeyTable {
@@ -99,10 +101,33 @@ impl KeyTable {
         }
     }
 
-    /// Asks the CPU to start loading `key`'s tag and bucket, for a caller about to look up
-    /// several keys: their cache misses then overlap instead of queueing.
+    /// For each key of `keys` in order, calls `visit(position, value)` until a key is absent or
+    /// `visit` returns false.
+    ///
+    /// A long walk probes a random bucket per key: the walk starts loading the buckets of the
+    /// key [`PREFETCH_AHEAD`] positions ahead, so the cache misses of a long match overlap
+    /// instead of queueing (a prefetch past the walk's end only costs the hint).
+    pub fn walk(&self, keys: &[u64], mut visit: impl FnMut(usize, u64) -> bool) {
+        if self.tags.is_empty() {
+            return;
+        }
+        for &key in keys.iter().take(PREFETCH_AHEAD) {
+            self.prefetch(key);
+        }
+        for (i, &key) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
+                self.prefetch(ahead);
+            }
+            match self.probe(key) {
+                (at, true) if visit(i, self.buckets[at].1) => {}
+                _ => return,
+            }
+        }
+    }
+
+    /// Asks the CPU to start loading `key`'s tag and bucket.
     #[inline]
-    pub fn prefetch(&self, key: u64) {
+    fn prefetch(&self, key: u64) {
         #[cfg(target_arch = "x86_64")]
         if !self.tags.is_empty() {
             let i = self.home(key);

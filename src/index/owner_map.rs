@@ -118,10 +118,14 @@ impl OwnerMap {
         })
     }
 
-    /// See [`KeyTable::prefetch`].
-    #[inline]
-    pub fn prefetch(&self, key: u64) {
-        self.inline.prefetch(key);
+    /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
+    /// owners or `visit` returns false (see [`KeyTable::walk`]).
+    pub fn walk(&self, keys: &[u64], mut visit: impl FnMut(usize, &[Slot]) -> bool) {
+        self.inline.walk(keys, |i, packed| match unpack(packed) {
+            (OVERFLOW, at) => visit(i, &self.overflow[at as usize]),
+            (a, EMPTY) => visit(i, &[a]),
+            (a, b) => visit(i, &[a, b]),
+        });
     }
 
     /// Distinct blocks with at least one owner.

@@ -11,9 +11,6 @@ use serde::{Deserialize, Serialize};
 /// which are opaque, so this map is how a removal finds the key it drops.
 type EngineMap = FxHashMap<u64, u64>;
 
-/// How many keys ahead of the one being read [`OwnerIndex::walk`] prefetches.
-const PREFETCH_AHEAD: usize = 4;
-
 /// Content key → owners per namespace, plus each worker's engine-hash map.
 ///
 /// Invariant: `slot ∈ blocks[ns][key]` exactly as many times as `workers[slot]` maps an engine
@@ -138,22 +135,9 @@ impl OwnerIndex {
 
     /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
     /// owners. Owners may repeat a slot (see [`Owners`]).
-    pub fn walk(&self, ns: NsId, keys: &[u64], mut visit: impl FnMut(usize, &[Slot]) -> bool) {
-        let Some(blocks) = self.blocks.get(ns as usize) else {
-            return;
-        };
-        for &key in keys.iter().take(PREFETCH_AHEAD) {
-            blocks.prefetch(key);
-        }
-        for (i, &key) in keys.iter().enumerate() {
-            // A long match probes a random bucket per block: start the load a few blocks ahead
-            // so the misses overlap (a miss past the match's end only costs the hint).
-            if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
-                blocks.prefetch(ahead);
-            }
-            if blocks.with_owners(key, |owners| visit(i, owners)) != Some(true) {
-                return;
-            }
+    pub fn walk(&self, ns: NsId, keys: &[u64], visit: impl FnMut(usize, &[Slot]) -> bool) {
+        if let Some(blocks) = self.blocks.get(ns as usize) {
+            blocks.walk(keys, visit);
         }
     }
 
