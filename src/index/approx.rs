@@ -4,21 +4,185 @@
 //! shortly, but its KV events arrive later. Recording the decision lets the next turn of the same
 //! trajectory find its owner in the meantime. Records expire after `approx_ttl` and the total
 //! number is bounded, oldest first.
+//!
+//! Every route walks these records block by block and writes one per block, so they live in the
+//! same prefetching, tombstone-free [`KeyTable`] as the owner map: a block's one record packed
+//! into the table's value, more than one in an overflow slab.
 
 use std::collections::VecDeque;
+use std::fmt;
 
 use rustc_hash::FxHashMap;
-use serde::{Deserialize, Serialize};
-use smallvec::SmallVec;
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use smallvec::{smallvec, SmallVec};
 
+use super::key_table::KeyTable;
 use super::{NsId, Slot};
 
 /// (slot, expiry in ms) for each worker recorded on a block.
 type Records = SmallVec<[(Slot, u64); 1]>;
 
+/// A table value: one record as `slot << 48 | expiry`, or [`OVERFLOW`] with a slab index in the
+/// low 48 bits. A slot at or above [`OVERFLOW`]'s 16 bits, or an expiry of 2^48 ms or more,
+/// always goes to the slab.
+const OVERFLOW: u64 = 0xFFFF << 48;
+const LOW_48: u64 = (1 << 48) - 1;
+
+enum Packed {
+    One(Slot, u64),
+    Slab(usize),
+}
+
+fn pack(slot: Slot, expires_ms: u64) -> Option<u64> {
+    ((slot as u64) < (OVERFLOW >> 48) && expires_ms <= LOW_48)
+        .then_some((slot as u64) << 48 | expires_ms)
+}
+
+fn unpack(value: u64) -> Packed {
+    if value & OVERFLOW == OVERFLOW {
+        Packed::Slab((value & LOW_48) as usize)
+    } else {
+        Packed::One((value >> 48) as Slot, value & LOW_48)
+    }
+}
+
+/// One namespace's records: block key → (slot, expiry) per worker recorded on it.
+#[derive(Default, Clone)]
+struct ApproxMap {
+    table: KeyTable,
+    /// Records of blocks with more than one (or one that does not pack); `free` lists the
+    /// unused indexes.
+    slab: Vec<Records>,
+    free: Vec<usize>,
+}
+
+impl ApproxMap {
+    fn with_records<R>(&self, value: u64, f: impl FnOnce(&[(Slot, u64)]) -> R) -> R {
+        match unpack(value) {
+            Packed::One(slot, exp) => f(&[(slot, exp)]),
+            Packed::Slab(at) => f(&self.slab[at]),
+        }
+    }
+
+    fn slab_entry(&mut self, records: Records) -> u64 {
+        let at = match self.free.pop() {
+            Some(at) => {
+                self.slab[at] = records;
+                at
+            }
+            None => {
+                self.slab.push(records);
+                self.slab.len() - 1
+            }
+        };
+        OVERFLOW | at as u64
+    }
+
+    /// The value for `records`: packed if it is one record that packs, else a slab entry.
+    fn value_of(&mut self, records: Records) -> u64 {
+        match records.as_slice() {
+            &[(slot, exp)] => pack(slot, exp).unwrap_or_else(|| self.slab_entry(records)),
+            _ => self.slab_entry(records),
+        }
+    }
+
+    /// Records `slot` on `key` until `expires_ms`, replacing the slot's earlier expiry.
+    fn upsert(&mut self, key: u64, slot: Slot, expires_ms: u64) {
+        let value = match self.table.get(key) {
+            None => self.value_of(smallvec![(slot, expires_ms)]),
+            Some(value) => match unpack(value) {
+                Packed::One(s, _) if s == slot => self.value_of(smallvec![(slot, expires_ms)]),
+                Packed::One(s, exp) => self.slab_entry(smallvec![(s, exp), (slot, expires_ms)]),
+                Packed::Slab(at) => {
+                    let records = &mut self.slab[at];
+                    match records.iter_mut().find(|(s, _)| *s == slot) {
+                        Some(record) => record.1 = expires_ms,
+                        None => records.push((slot, expires_ms)),
+                    }
+                    return;
+                }
+            },
+        };
+        self.table.insert(key, value);
+    }
+
+    /// Removes the records of `key` that `drop` selects.
+    fn remove_where(&mut self, key: u64, mut drop: impl FnMut(Slot, u64) -> bool) {
+        let Some(value) = self.table.get(key) else {
+            return;
+        };
+        match unpack(value) {
+            Packed::One(slot, exp) => {
+                if drop(slot, exp) {
+                    self.table.remove(key);
+                }
+            }
+            Packed::Slab(at) => {
+                let records = &mut self.slab[at];
+                let before = records.len();
+                records.retain(|&mut (s, e)| !drop(s, e));
+                let back_inline = match records.as_slice() {
+                    [] => None,
+                    &[(slot, exp)] => pack(slot, exp),
+                    _ => return, // still more than one record
+                };
+                if records.len() == before && back_inline.is_none() {
+                    return;
+                }
+                match back_inline {
+                    Some(value) => self.table.insert(key, value),
+                    None if records.is_empty() => self.table.remove(key),
+                    None => return, // one record that does not pack stays in the slab
+                };
+                self.slab[at] = Records::new();
+                self.free.push(at);
+            }
+        }
+    }
+
+    fn records(&self) -> impl Iterator<Item = (u64, Records)> + '_ {
+        self.table
+            .iter()
+            .map(|(key, value)| (key, self.with_records(value, Records::from_slice)))
+    }
+}
+
+impl fmt::Debug for ApproxMap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.records()).finish()
+    }
+}
+
+/// Serialized as the `FxHashMap<u64, Records>` it replaced, so snapshots written before it
+/// still load.
+impl Serialize for ApproxMap {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.table.len()))?;
+        for (key, value) in self.table.iter() {
+            self.with_records(value, |records| map.serialize_entry(&key, records))?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for ApproxMap {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let wire = FxHashMap::<u64, Records>::deserialize(deserializer)?;
+        let mut map = ApproxMap::default();
+        for (key, records) in wire {
+            if !records.is_empty() {
+                let value = map.value_of(records);
+                map.table.insert(key, value);
+            }
+        }
+        Ok(map)
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ApproxIndex {
-    blocks: Vec<FxHashMap<u64, Records>>,
+    blocks: Vec<ApproxMap>,
     /// Every record in the order written, with the expiry it was written with. Because the TTL
     /// is fixed, this is also expiry order; a refreshed record leaves a stale queue entry that is
     /// skipped when popped.
@@ -43,15 +207,11 @@ impl ApproxIndex {
     pub fn record(&mut self, ns: NsId, keys: &[u64], slot: Slot, expires_ms: u64) {
         let ns_idx = ns as usize;
         if self.blocks.len() <= ns_idx {
-            self.blocks.resize_with(ns_idx + 1, FxHashMap::default);
+            self.blocks.resize_with(ns_idx + 1, ApproxMap::default);
         }
         let blocks = &mut self.blocks[ns_idx];
         for &key in keys {
-            let records = blocks.entry(key).or_default();
-            match records.iter_mut().find(|(s, _)| *s == slot) {
-                Some(record) => record.1 = expires_ms,
-                None => records.push((slot, expires_ms)),
-            }
+            blocks.upsert(key, slot, expires_ms);
             self.queue.push_back((expires_ms, ns, key, slot));
         }
         while self.queue.len() > self.max_records {
@@ -70,26 +230,22 @@ impl ApproxIndex {
         let Some((exp, ns, key, slot)) = self.queue.pop_front() else {
             return;
         };
-        let blocks = &mut self.blocks[ns as usize];
-        if let Some(records) = blocks.get_mut(&key) {
-            // Only the entry written with this exact expiry is removed; a later refresh of the
-            // same record has its own queue entry.
-            if let Some(i) = records.iter().position(|&(s, e)| s == slot && e == exp) {
-                records.swap_remove(i);
-                if records.is_empty() {
-                    blocks.remove(&key);
-                }
-            }
-        }
+        // Only the record written with this exact expiry is removed; a later refresh of the
+        // same record has its own queue entry.
+        self.blocks[ns as usize].remove_where(key, |s, e| s == slot && e == exp);
     }
 
     /// Drops every record of a worker (it left or aged out).
     pub fn forget_worker(&mut self, slot: Slot) {
         for blocks in &mut self.blocks {
-            blocks.retain(|_, records| {
-                records.retain(|(s, _)| *s != slot);
-                !records.is_empty()
-            });
+            let keys: Vec<u64> = blocks
+                .records()
+                .filter(|(_, records)| records.iter().any(|&(s, _)| s == slot))
+                .map(|(key, _)| key)
+                .collect();
+            for key in keys {
+                blocks.remove_where(key, |s, _| s == slot);
+            }
         }
         self.queue.retain(|&(.., s)| s != slot);
     }
@@ -105,36 +261,35 @@ impl ApproxIndex {
         let Some(blocks) = self.blocks.get(ns as usize) else {
             return;
         };
-        for (i, key) in keys.iter().enumerate() {
-            let Some(records) = blocks.get(key) else {
-                return;
-            };
-            let mut fresh = records
-                .iter()
-                .filter(|&&(_, exp)| exp > now_ms)
-                .map(|&(s, _)| s);
-            if !visit(i, &mut fresh) {
-                return;
-            }
-        }
+        blocks.table.walk(keys, |i, value| {
+            blocks.with_records(value, |records| {
+                let mut fresh = records
+                    .iter()
+                    .filter(|&&(_, exp)| exp > now_ms)
+                    .map(|&(s, _)| s);
+                visit(i, &mut fresh)
+            })
+        });
     }
 
     /// Number of live records.
     pub fn len(&self) -> usize {
         self.blocks
             .iter()
-            .map(|b| b.values().map(|r| r.len()).sum::<usize>())
+            .flat_map(ApproxMap::records)
+            .map(|(_, records)| records.len())
             .sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.blocks.iter().all(|b| b.is_empty())
+        self.blocks.iter().all(|b| b.table.len() == 0)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn fresh_owners(index: &ApproxIndex, key: u64, now: u64) -> Vec<Slot> {
         let mut out = Vec::new();
@@ -185,5 +340,167 @@ mod tests {
             "the oldest record went first"
         );
         assert_eq!(fresh_owners(&index, 4, 0), vec![0]);
+    }
+
+    #[test]
+    fn records_of_several_workers_share_a_block_and_shrink_back() {
+        let mut index = ApproxIndex::new(100);
+        index.record(0, &[1], 7, 1_000);
+        index.record(0, &[1], 8, 2_000);
+        index.record(0, &[1], 9, 3_000);
+        let mut owners = fresh_owners(&index, 1, 0);
+        owners.sort();
+        assert_eq!(
+            owners,
+            vec![7, 8, 9],
+            "every worker recorded on a block is found"
+        );
+        index.expire(2_000);
+        assert_eq!(
+            fresh_owners(&index, 1, 0),
+            vec![9],
+            "expired records leave, one by one"
+        );
+        assert_eq!(
+            index.blocks[0]
+                .table
+                .get(1)
+                .map(|v| matches!(unpack(v), Packed::One(9, 3_000))),
+            Some(true),
+            "a block left with one record packs it inline again"
+        );
+        index.record(0, &[1, 2], 8, 4_000);
+        index.forget_worker(9);
+        assert_eq!(
+            fresh_owners(&index, 1, 0),
+            vec![8],
+            "a forgotten worker leaves no record"
+        );
+        assert_eq!(index.len(), 2);
+    }
+
+    #[test]
+    fn a_slot_or_expiry_too_large_to_pack_is_kept_whole() {
+        let mut index = ApproxIndex::new(100);
+        let (big_slot, far) = (0x1_0000, 1u64 << 50);
+        index.record(0, &[1], big_slot, far);
+        assert_eq!(fresh_owners(&index, 1, far - 1), vec![big_slot]);
+        assert!(
+            fresh_owners(&index, 1, far).is_empty(),
+            "expiry kept to the ms"
+        );
+        index.expire(far);
+        assert!(index.is_empty(), "and it expires like any other");
+    }
+
+    #[test]
+    fn snapshots_keep_the_form_written_before_the_table() {
+        let mut index = ApproxIndex::new(100);
+        index.record(0, &[1, 2], 7, 1_000);
+        index.record(0, &[2], 8, 2_000);
+        let bytes = rmp_serde::to_vec(&index.blocks[0]).unwrap();
+        let mut wire: FxHashMap<u64, Records> = rmp_serde::from_slice(&bytes).unwrap();
+        for records in wire.values_mut() {
+            records.sort();
+        }
+        let expected: FxHashMap<u64, Records> = [
+            (1, smallvec![(7, 1_000)]),
+            (2, smallvec![(7, 1_000), (8, 2_000)]),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(wire, expected, "the snapshot form is unchanged");
+        let back: ApproxMap =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&expected).unwrap()).unwrap();
+        let mut records: Vec<_> = back.records().collect();
+        records.sort();
+        let mut expected: Vec<_> = expected.into_iter().collect();
+        expected.sort();
+        assert_eq!(records, expected, "an old snapshot loads the same records");
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Keys (from a small pool), a slot (some too large to pack), a TTL.
+        Record(Vec<u64>, Slot, u64),
+        Expire(u64),
+        Forget(Slot),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let slot = prop_oneof![0u32..4, Just(0x1_0000u32)];
+        prop_oneof![
+            4 => (prop::collection::vec(0u64..6, 1..4), slot.clone(), 1u64..50)
+                .prop_map(|(keys, slot, ttl)| Op::Record(keys, slot, ttl)),
+            2 => (0u64..20).prop_map(Op::Expire),
+            1 => slot.prop_map(Op::Forget),
+        ]
+    }
+
+    /// The records as a plain map, with the queue rules of [`ApproxIndex`] spelled out.
+    #[derive(Default)]
+    struct Model {
+        current: std::collections::BTreeMap<(u64, Slot), u64>,
+        queue: VecDeque<(u64, u64, Slot)>,
+    }
+
+    impl Model {
+        fn pop(&mut self) {
+            if let Some((exp, key, slot)) = self.queue.pop_front() {
+                // A pop removes the record only if it still has the expiry it was queued with.
+                if self.current.get(&(key, slot)) == Some(&exp) {
+                    self.current.remove(&(key, slot));
+                }
+            }
+        }
+    }
+
+    proptest! {
+        /// The table with its packed records and slab against a plain map of records, through
+        /// records, refreshes, expiry, the size bound and forgotten workers.
+        #[test]
+        fn fresh_owners_match_a_plain_model(ops in prop::collection::vec(op(), 0..80)) {
+            let mut index = ApproxIndex::new(12);
+            let mut model = Model::default();
+            let mut now = 0;
+            for op in ops {
+                match op {
+                    Op::Record(keys, slot, ttl) => {
+                        index.record(0, &keys, slot, now + ttl);
+                        for key in keys {
+                            model.current.insert((key, slot), now + ttl);
+                            model.queue.push_back((now + ttl, key, slot));
+                        }
+                        while model.queue.len() > 12 {
+                            model.pop();
+                        }
+                    }
+                    Op::Expire(step) => {
+                        now += step;
+                        index.expire(now);
+                        while model.queue.front().is_some_and(|&(exp, ..)| exp <= now) {
+                            model.pop();
+                        }
+                    }
+                    Op::Forget(slot) => {
+                        index.forget_worker(slot);
+                        model.current.retain(|&(_, s), _| s != slot);
+                        model.queue.retain(|&(.., s)| s != slot);
+                    }
+                }
+                for key in 0..6 {
+                    let mut got = fresh_owners(&index, key, now);
+                    got.sort();
+                    let want: Vec<Slot> = model
+                        .current
+                        .iter()
+                        .filter(|&(&(k, _), &exp)| k == key && exp > now)
+                        .map(|(&(_, s), _)| s)
+                        .collect();
+                    prop_assert_eq!(got, want, "fresh owners of key {}", key);
+                }
+                prop_assert_eq!(index.len(), model.current.len(), "live records");
+            }
+        }
     }
 }
