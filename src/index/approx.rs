@@ -51,60 +51,77 @@ fn unpack(value: u64) -> Packed {
 #[derive(Default, Clone)]
 struct ApproxMap {
     table: KeyTable,
-    /// Records of blocks with more than one (or one that does not pack); `free` lists the
-    /// unused indexes.
-    slab: Vec<Records>,
+    slab: Slab,
+}
+
+/// Records of blocks with more than one (or one that does not pack).
+#[derive(Default, Clone)]
+struct Slab {
+    entries: Vec<Records>,
+    /// Unused indexes of `entries`.
     free: Vec<usize>,
 }
 
-impl ApproxMap {
-    fn with_records<R>(&self, value: u64, f: impl FnOnce(&[(Slot, u64)]) -> R) -> R {
-        match unpack(value) {
-            Packed::One(slot, exp) => f(&[(slot, exp)]),
-            Packed::Slab(at) => f(&self.slab[at]),
-        }
-    }
-
-    fn slab_entry(&mut self, records: Records) -> u64 {
+impl Slab {
+    /// Stores `records`; returns the table value naming them.
+    fn put(&mut self, records: Records) -> u64 {
         let at = match self.free.pop() {
             Some(at) => {
-                self.slab[at] = records;
+                self.entries[at] = records;
                 at
             }
             None => {
-                self.slab.push(records);
-                self.slab.len() - 1
+                self.entries.push(records);
+                self.entries.len() - 1
             }
         };
         OVERFLOW | at as u64
     }
 
-    /// The value for `records`: packed if it is one record that packs, else a slab entry.
+    fn release(&mut self, at: usize) {
+        self.entries[at] = Records::new();
+        self.free.push(at);
+    }
+
+    /// The table value for `records`: packed if it is one record that packs, else an entry.
     fn value_of(&mut self, records: Records) -> u64 {
         match records.as_slice() {
-            &[(slot, exp)] => pack(slot, exp).unwrap_or_else(|| self.slab_entry(records)),
-            _ => self.slab_entry(records),
+            &[(slot, exp)] => pack(slot, exp).unwrap_or_else(|| self.put(records)),
+            _ => self.put(records),
+        }
+    }
+}
+
+/// The value [`ApproxMap::upsert`] inserts for a new key before filling it in: a slab index no
+/// slab reaches.
+const NEW: u64 = u64::MAX;
+
+impl ApproxMap {
+    fn with_records<R>(&self, value: u64, f: impl FnOnce(&[(Slot, u64)]) -> R) -> R {
+        match unpack(value) {
+            Packed::One(slot, exp) => f(&[(slot, exp)]),
+            Packed::Slab(at) => f(&self.slab.entries[at]),
         }
     }
 
-    /// Records `slot` on `key` until `expires_ms`, replacing the slot's earlier expiry.
+    /// Records `slot` on `key` until `expires_ms`, replacing the slot's earlier expiry. One
+    /// probe of the table.
     fn upsert(&mut self, key: u64, slot: Slot, expires_ms: u64) {
-        let value = match self.table.get(key) {
-            None => self.value_of(smallvec![(slot, expires_ms)]),
-            Some(value) => match unpack(value) {
-                Packed::One(s, _) if s == slot => self.value_of(smallvec![(slot, expires_ms)]),
-                Packed::One(s, exp) => self.slab_entry(smallvec![(s, exp), (slot, expires_ms)]),
-                Packed::Slab(at) => {
-                    let records = &mut self.slab[at];
-                    match records.iter_mut().find(|(s, _)| *s == slot) {
-                        Some(record) => record.1 = expires_ms,
-                        None => records.push((slot, expires_ms)),
-                    }
-                    return;
+        let ApproxMap { table, slab } = self;
+        let value = table.get_or_insert(key, NEW);
+        *value = match unpack(*value) {
+            _ if *value == NEW => slab.value_of(smallvec![(slot, expires_ms)]),
+            Packed::One(s, _) if s == slot => slab.value_of(smallvec![(slot, expires_ms)]),
+            Packed::One(s, exp) => slab.put(smallvec![(s, exp), (slot, expires_ms)]),
+            Packed::Slab(at) => {
+                let records = &mut slab.entries[at];
+                match records.iter_mut().find(|(s, _)| *s == slot) {
+                    Some(record) => record.1 = expires_ms,
+                    None => records.push((slot, expires_ms)),
                 }
-            },
+                return;
+            }
         };
-        self.table.insert(key, value);
     }
 
     /// Removes the records of `key` that `drop` selects.
@@ -119,7 +136,7 @@ impl ApproxMap {
                 }
             }
             Packed::Slab(at) => {
-                let records = &mut self.slab[at];
+                let records = &mut self.slab.entries[at];
                 let before = records.len();
                 records.retain(|&mut (s, e)| !drop(s, e));
                 let back_inline = match records.as_slice() {
@@ -135,8 +152,7 @@ impl ApproxMap {
                     None if records.is_empty() => self.table.remove(key),
                     None => return, // one record that does not pack stays in the slab
                 };
-                self.slab[at] = Records::new();
-                self.free.push(at);
+                self.slab.release(at);
             }
         }
     }
@@ -172,7 +188,7 @@ impl<'de> Deserialize<'de> for ApproxMap {
         let mut map = ApproxMap::default();
         for (key, records) in wire {
             if !records.is_empty() {
-                let value = map.value_of(records);
+                let value = map.slab.value_of(records);
                 map.table.insert(key, value);
             }
         }
