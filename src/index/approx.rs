@@ -18,6 +18,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use smallvec::{smallvec, SmallVec};
 
 use super::key_table::KeyTable;
+use super::slab::Slab;
 use super::{NsId, Slot};
 
 /// (slot, expiry in ms) for each worker recorded on a block.
@@ -51,44 +52,15 @@ fn unpack(value: u64) -> Packed {
 #[derive(Default, Clone)]
 struct ApproxMap {
     table: KeyTable,
-    slab: Slab,
+    /// Records of blocks with more than one (or one that does not pack).
+    slab: Slab<Records>,
 }
 
-/// Records of blocks with more than one (or one that does not pack).
-#[derive(Default, Clone)]
-struct Slab {
-    entries: Vec<Records>,
-    /// Unused indexes of `entries`.
-    free: Vec<usize>,
-}
-
-impl Slab {
-    /// Stores `records`; returns the table value naming them.
-    fn put(&mut self, records: Records) -> u64 {
-        let at = match self.free.pop() {
-            Some(at) => {
-                self.entries[at] = records;
-                at
-            }
-            None => {
-                self.entries.push(records);
-                self.entries.len() - 1
-            }
-        };
-        OVERFLOW | at as u64
-    }
-
-    fn release(&mut self, at: usize) {
-        self.entries[at] = Records::new();
-        self.free.push(at);
-    }
-
-    /// The table value for `records`: packed if it is one record that packs, else an entry.
-    fn value_of(&mut self, records: Records) -> u64 {
-        match records.as_slice() {
-            &[(slot, exp)] => pack(slot, exp).unwrap_or_else(|| self.put(records)),
-            _ => self.put(records),
-        }
+/// The table value for `records`: packed if it is one record that packs, else a slab entry.
+fn value_of(slab: &mut Slab<Records>, records: Records) -> u64 {
+    match records.as_slice() {
+        &[(slot, exp)] => pack(slot, exp).unwrap_or_else(|| OVERFLOW | slab.put(records) as u64),
+        _ => OVERFLOW | slab.put(records) as u64,
     }
 }
 
@@ -100,7 +72,7 @@ impl ApproxMap {
     fn with_records<R>(&self, value: u64, f: impl FnOnce(&[(Slot, u64)]) -> R) -> R {
         match unpack(value) {
             Packed::One(slot, exp) => f(&[(slot, exp)]),
-            Packed::Slab(at) => f(&self.slab.entries[at]),
+            Packed::Slab(at) => f(&self.slab[at]),
         }
     }
 
@@ -110,11 +82,11 @@ impl ApproxMap {
         let ApproxMap { table, slab } = self;
         let value = table.get_or_insert(key, NEW);
         *value = match unpack(*value) {
-            _ if *value == NEW => slab.value_of(smallvec![(slot, expires_ms)]),
-            Packed::One(s, _) if s == slot => slab.value_of(smallvec![(slot, expires_ms)]),
-            Packed::One(s, exp) => slab.put(smallvec![(s, exp), (slot, expires_ms)]),
+            _ if *value == NEW => value_of(slab, smallvec![(slot, expires_ms)]),
+            Packed::One(s, _) if s == slot => value_of(slab, smallvec![(slot, expires_ms)]),
+            Packed::One(s, exp) => value_of(slab, smallvec![(s, exp), (slot, expires_ms)]),
             Packed::Slab(at) => {
-                let records = &mut slab.entries[at];
+                let records = &mut slab[at];
                 match records.iter_mut().find(|(s, _)| *s == slot) {
                     Some(record) => record.1 = expires_ms,
                     None => records.push((slot, expires_ms)),
@@ -136,7 +108,7 @@ impl ApproxMap {
                 }
             }
             Packed::Slab(at) => {
-                let records = &mut self.slab.entries[at];
+                let records = &mut self.slab[at];
                 let before = records.len();
                 records.retain(|&mut (s, e)| !drop(s, e));
                 let back_inline = match records.as_slice() {
@@ -188,7 +160,7 @@ impl<'de> Deserialize<'de> for ApproxMap {
         let mut map = ApproxMap::default();
         for (key, records) in wire {
             if !records.is_empty() {
-                let value = map.slab.value_of(records);
+                let value = value_of(&mut map.slab, records);
                 map.table.insert(key, value);
             }
         }

@@ -12,6 +12,7 @@ mod approx;
 mod key_table;
 mod owner_map;
 mod owners;
+mod slab;
 
 pub use approx::ApproxIndex;
 pub use owners::{IndexStats, OwnerIndex};

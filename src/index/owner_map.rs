@@ -13,6 +13,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use smallvec::{smallvec, SmallVec};
 
 use super::key_table::KeyTable;
+use super::slab::Slab;
 use super::Slot;
 
 /// Marks an unused inline position.
@@ -41,9 +42,8 @@ type Overflow = SmallVec<[Slot; 4]>;
 #[derive(Default, Clone)]
 pub struct OwnerMap {
     inline: KeyTable,
-    /// Owner lists of blocks with more than two entries; `free` lists the unused indexes.
-    overflow: Vec<Overflow>,
-    free: Vec<Slot>,
+    /// Owner lists of blocks with more than two entries.
+    overflow: Slab<Overflow>,
 }
 
 impl OwnerMap {
@@ -55,20 +55,7 @@ impl OwnerMap {
             (OVERFLOW, at) => self.overflow[at as usize].push(slot),
             (EMPTY, _) => *packed = pack(slot, EMPTY),
             (a, EMPTY) => *packed = pack(a, slot),
-            (a, b) => {
-                let owners = smallvec![a, b, slot];
-                let at = match self.free.pop() {
-                    Some(at) => {
-                        self.overflow[at as usize] = owners;
-                        at
-                    }
-                    None => {
-                        self.overflow.push(owners);
-                        (self.overflow.len() - 1) as Slot
-                    }
-                };
-                *packed = pack(OVERFLOW, at);
-            }
+            (a, b) => *packed = pack(OVERFLOW, self.overflow.put(smallvec![a, b, slot]) as Slot),
         }
     }
 
@@ -86,9 +73,7 @@ impl OwnerMap {
                 owners.swap_remove(i);
                 if owners.len() == 2 {
                     *packed = pack(owners[0], owners[1]);
-                    // Release the list's heap memory, if it had any, with the entry.
-                    self.overflow[at as usize] = Overflow::new();
-                    self.free.push(at);
+                    self.overflow.release(at as usize);
                 }
                 true
             }
@@ -108,23 +93,25 @@ impl OwnerMap {
         }
     }
 
-    /// Calls `f` with the owner entries of `key`, if it has any.
-    pub fn with_owners<R>(&self, key: u64, f: impl FnOnce(&[Slot]) -> R) -> Option<R> {
-        let packed = self.inline.get(key)?;
-        Some(match unpack(packed) {
+    /// Calls `f` with the owner entries a table value stands for.
+    fn unpacked<R>(&self, packed: u64, f: impl FnOnce(&[Slot]) -> R) -> R {
+        match unpack(packed) {
             (OVERFLOW, at) => f(&self.overflow[at as usize]),
             (a, EMPTY) => f(&[a]),
             (a, b) => f(&[a, b]),
-        })
+        }
+    }
+
+    /// Calls `f` with the owner entries of `key`, if it has any.
+    pub fn with_owners<R>(&self, key: u64, f: impl FnOnce(&[Slot]) -> R) -> Option<R> {
+        Some(self.unpacked(self.inline.get(key)?, f))
     }
 
     /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
     /// owners or `visit` returns false (see [`KeyTable::walk`]).
     pub fn walk(&self, keys: &[u64], mut visit: impl FnMut(usize, &[Slot]) -> bool) {
-        self.inline.walk(keys, |i, packed| match unpack(packed) {
-            (OVERFLOW, at) => visit(i, &self.overflow[at as usize]),
-            (a, EMPTY) => visit(i, &[a]),
-            (a, b) => visit(i, &[a, b]),
+        self.inline.walk(keys, |i, packed| {
+            self.unpacked(packed, |owners| visit(i, owners))
         });
     }
 
@@ -184,8 +171,7 @@ impl Serialize for OwnerMap {
         struct Overflowed<'a>(&'a OwnerMap);
         impl Serialize for Overflowed<'_> {
             fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-                let count = self.0.overflow.len() - self.0.free.len();
-                let mut map = serializer.serialize_map(Some(count))?;
+                let mut map = serializer.serialize_map(Some(self.0.overflow.live()))?;
                 for (k, owners) in self.0.overflowed() {
                     map.serialize_entry(&k, owners)?;
                 }
@@ -209,8 +195,7 @@ impl<'de> Deserialize<'de> for OwnerMap {
                     let owners = wire.overflow.remove(&key).ok_or_else(|| {
                         serde::de::Error::custom(format!("block {key:#x} overflows to no owners"))
                     })?;
-                    map.overflow.push(owners);
-                    pack(OVERFLOW, (map.overflow.len() - 1) as Slot)
+                    pack(OVERFLOW, map.overflow.put(owners) as Slot)
                 }
                 _ => packed,
             };
@@ -244,7 +229,7 @@ mod tests {
         assert!(map.remove(7, 4));
         assert_eq!(owners(&map, 7), vec![1, 3], "back to two inline entries");
         assert!(
-            map.overflow.iter().all(|o| o.is_empty()) && map.free.len() == map.overflow.len(),
+            map.overflow.live() == 0,
             "the overflow entry is released when two entries remain"
         );
         assert!(!map.remove(7, 9), "a non-owner is not removed");
