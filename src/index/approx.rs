@@ -109,20 +109,14 @@ impl ApproxMap {
             }
             Packed::Slab(at) => {
                 let records = &mut self.slab[at];
-                let before = records.len();
                 records.retain(|&mut (s, e)| !drop(s, e));
-                let back_inline = match records.as_slice() {
-                    [] => None,
-                    &[(slot, exp)] => pack(slot, exp),
+                match records.as_slice() {
+                    [] => self.table.remove(key),
+                    &[(slot, exp)] => match pack(slot, exp) {
+                        Some(value) => self.table.insert(key, value),
+                        None => return, // one record that does not pack stays in the slab
+                    },
                     _ => return, // still more than one record
-                };
-                if records.len() == before && back_inline.is_none() {
-                    return;
-                }
-                match back_inline {
-                    Some(value) => self.table.insert(key, value),
-                    None if records.is_empty() => self.table.remove(key),
-                    None => return, // one record that does not pack stays in the slab
                 };
                 self.slab.release(at);
             }
