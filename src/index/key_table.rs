@@ -1,5 +1,6 @@
-//! A `u64 → u64` hash table for the owner map (block key → packed owners), the index's one
-//! table shared by every worker and the one each route probes block by block.
+//! A `u64 → u64` hash table for the two maps a route walks block by block: the owner map (block
+//! key → packed owners, shared by every worker) and approximate ownership (block key → packed
+//! routing records).
 //!
 //! Linear probing with backward-shift deletion, so a removal leaves no tombstone behind. That is
 //! the reason this table exists: hashbrown marks removed buckets as tombstones, and under the
@@ -28,8 +29,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// The tag of a free bucket. A used bucket's tag has its top bit set.
 const FREE: u8 = 0;
 
-/// Grow when live entries would pass 3/4 of the buckets: short probe runs (about 2.5 buckets
-/// for a miss on average).
+/// Grow when live entries would pass 3/4 of the buckets: short probe runs (at that load, on
+/// average about 2.5 buckets for a hit and 8.5 tags for a miss).
 const MAX_LOAD: (usize, usize) = (3, 4);
 /// Shrink when live entries fall below 1/8 of the buckets (after the grow point halves, load is
 /// 3/8, so a table never bounces between the two).
