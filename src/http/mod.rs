@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Extension, State};
+use axum::extract::{DefaultBodyLimit, Extension, FromRequest, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -66,6 +66,23 @@ impl IntoResponse for ApiError {
 fn bad_request(reason: RejectReason, detail: String) -> ApiError {
     reject(&Rejection::new(reason, detail.clone()), "http");
     ApiError(StatusCode::BAD_REQUEST, detail)
+}
+
+/// A request body read within `--max-body-bytes`. Handlers take it as
+/// `Result<RequestBody, ApiError>`, so their error replies and metrics cover it too.
+struct RequestBody(Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for RequestBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .copied()
+            .expect("app() installs the body limit");
+        body_bytes(Bytes::from_request(req, state).await, limit).map(RequestBody)
+    }
 }
 
 /// The request body, or a one-line error: over `--max-body-bytes` is a counted `413`, not
@@ -235,13 +252,12 @@ fn route_request(state: &AppState, body: RouteBody) -> Result<RouteRequest, ApiE
 
 async fn route(
     State(state): State<AppState>,
-    Extension(limit): Extension<BodyLimit>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Result<RequestBody, ApiError>,
 ) -> Response {
     let started = Instant::now();
     let response = async {
-        let body = body_bytes(body, limit)?;
+        let RequestBody(body) = body?;
         let body = parse_route_body(&headers, &body)?;
         let request = route_request(&state, body)?;
         match state.writer.apply(Input::Route(request), "http").await {
@@ -270,12 +286,11 @@ struct ReleaseBody {
 
 async fn release(
     State(state): State<AppState>,
-    Extension(limit): Extension<BodyLimit>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Result<RequestBody, ApiError>,
 ) -> Response {
     let result = async {
-        let body = body_bytes(body, limit)?;
+        let RequestBody(body) = body?;
         let body: ReleaseBody = parse_body(&headers, &body)?;
         match state
             .writer
