@@ -126,6 +126,15 @@ impl KeyTable {
         }
     }
 
+    /// The bucket holding `key`, if any (the table may be empty).
+    fn find(&self, key: u64) -> Option<usize> {
+        if self.tags.is_empty() {
+            return None;
+        }
+        let (i, found) = self.probe(key);
+        found.then_some(i)
+    }
+
     /// Asks the CPU to start loading `key`'s tag and bucket.
     #[inline]
     fn prefetch(&self, key: u64) {
@@ -144,23 +153,11 @@ impl KeyTable {
     }
 
     pub fn get(&self, key: u64) -> Option<u64> {
-        if self.tags.is_empty() {
-            return None;
-        }
-        match self.probe(key) {
-            (i, true) => Some(self.buckets[i].1),
-            _ => None,
-        }
+        self.find(key).map(|i| self.buckets[i].1)
     }
 
     pub fn get_mut(&mut self, key: u64) -> Option<&mut u64> {
-        if self.tags.is_empty() {
-            return None;
-        }
-        match self.probe(key) {
-            (i, true) => Some(&mut self.buckets[i].1),
-            _ => None,
-        }
+        self.find(key).map(|i| &mut self.buckets[i].1)
     }
 
     /// The value of `key`, inserting `default` first if the key is absent.
@@ -194,12 +191,7 @@ impl KeyTable {
     /// Removes `key`; returns its value. The entries after it in its probe run shift back into
     /// the hole, so every remaining key stays reachable from its home bucket without a marker.
     pub fn remove(&mut self, key: u64) -> Option<u64> {
-        if self.tags.is_empty() {
-            return None;
-        }
-        let (mut hole, true) = self.probe(key) else {
-            return None;
-        };
+        let mut hole = self.find(key)?;
         let value = self.buckets[hole].1;
         let mask = self.mask();
         let mut i = hole;
