@@ -1,22 +1,30 @@
 //! kvrouted: routes LLM inference requests to the worker whose KV cache already holds the
 //! longest prefix of the prompt.
 //!
-//! The crate is one pure, deterministic state machine ([`router::Router`]) and thin adapters
-//! around it. Start reading at [`router`], then [`policy`] for DESIGN.md §5.
+//! This crate is the daemon: thin adapters around the pure routing core (`kvrouted-core`,
+//! re-exported below under the same module names, so `kvrouted::router::Router` is the core's).
+//!
+//! # Layout
+//!
+//! - Core (re-exported): [`router`] the state machine, [`policy`] the policy step by step,
+//!   [`input`], [`index`], [`workers`], [`reservations`], [`hashing`], [`wire`].
+//! - [`daemon`]: `kvrouted serve` — starts everything, owns the writer that applies inputs in
+//!   journal order.
+//! - [`ingest`]: NATS subscriptions and the JetStream consumer; decodes payloads into inputs.
+//! - [`http`]: the gateway API (routes, releases, workers, health, metrics).
+//! - [`journal`]: the sled journal and snapshots; export for audits.
+//! - [`replay`]: re-applies a journal through the core (audit and counterfactuals).
+//! - [`sim`]: the simulator, driving the same core with simulated workers.
+//! - [`metrics`]: Prometheus metric names and recording.
+//! - [`config`]: command-line and file configuration.
+
+pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wire, workers};
 
 pub mod config;
 pub mod daemon;
-pub mod hashing;
 pub mod http;
-pub mod index;
 pub mod ingest;
-pub mod input;
 pub mod journal;
 pub mod metrics;
-pub mod policy;
 pub mod replay;
-pub mod reservations;
-pub mod router;
 pub mod sim;
-pub mod wire;
-pub mod workers;

@@ -348,7 +348,8 @@ mod tests {
 
     #[test]
     fn every_fixture_decodes_the_same_on_both_paths() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kv_events");
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kv_events");
         let mut fast = 0;
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();

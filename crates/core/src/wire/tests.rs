@@ -90,8 +90,11 @@ fn batch_of(event: serde_json::Value) -> Vec<u8> {
     mp(json!([1.5, [event]]))
 }
 
+/// A path under the repository root (fixtures and schemas are shared with the daemon's tests).
 fn manifest_path(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel)
 }
 
 // ------------------------------------------------------------------------------------------
