@@ -22,6 +22,7 @@ fn id(s: &str) -> WorkerId {
 /// A `BlockStored` event of one block (engine hash = local).
 fn one_block(local: u64, block_size: u32, medium: Medium) -> KvEvent {
     KvEvent::Stored {
+        full_attention: true,
         parent: None,
         blocks: vec![StoredBlock {
             engine_hash: local,
@@ -105,6 +106,7 @@ impl Fleet {
             model: None,
             dp_rank,
             seq,
+            epoch: None,
             events,
         }));
         match out {
@@ -121,6 +123,7 @@ impl Fleet {
             waiting: 0,
             max_running: None,
             model: None,
+            dp_rank: 0,
         }));
     }
 
@@ -131,6 +134,8 @@ impl Fleet {
             model: None,
             block_size: None,
             capacity_blocks: None,
+            dp_size: None,
+            epoch: None,
         }));
     }
 
@@ -165,7 +170,7 @@ impl Fleet {
     }
 
     fn reserved(&self, worker: &str) -> u64 {
-        let slot = self.router.state.workers.slot_of(&id(worker)).unwrap();
+        let slot = self.router.state.workers.slot_of(&id(worker), 0).unwrap();
         self.router.state.workers.get(slot).unwrap().reserved_work
     }
 }
@@ -681,10 +686,10 @@ fn kv_events_with_another_block_size_are_rejected_not_rechunked() {
 }
 
 #[test]
-fn non_gpu_blocks_are_counted_and_not_owned() {
+fn non_gpu_blocks_are_lower_tier_ownership_never_device_ownership() {
     let mut fleet = Fleet::new();
-    let report = fleet.ingest("w", None, 0, vec![one_block(2, BLOCK, Medium::Other)]);
-    assert_eq!(report.ignored_blocks, 1);
+    let report = fleet.ingest("w", None, 0, vec![one_block(2, BLOCK, Medium::Host)]);
+    assert_eq!(report.lower_tier_stored, 1);
     assert!(
         fleet.router.ownerships().is_empty(),
         "CPU-tier blocks never count as GPU ownership"
@@ -733,7 +738,9 @@ fn namespaces_keep_models_and_loras_apart() {
         model: Some("llama".into()),
         dp_rank: 0,
         seq: None,
+        epoch: None,
         events: vec![KvEvent::Stored {
+            full_attention: true,
             parent: None,
             blocks: vec![StoredBlock {
                 engine_hash: 1,
@@ -885,6 +892,7 @@ fn scripted_inputs() -> Vec<Stamped> {
                     waiting: (step % 4) as u32,
                     max_running: Some(8),
                     model: None,
+                    dp_rank: 0,
                 }),
             ),
             1 | 2 => {
