@@ -394,10 +394,7 @@ impl Router {
             report.departed = true;
             return report;
         }
-        let (slot, new_worker) = self
-            .state
-            .workers
-            .touch(&batch.worker, batch.dp_rank, now);
+        let (slot, new_worker) = self.state.workers.touch(&batch.worker, batch.dp_rank, now);
         report.new_worker = new_worker;
         match self
             .state

@@ -398,9 +398,7 @@ impl Workers {
                 0
             }
             (Some(seq), Some(last)) if seq <= last => return SeqCheck::Duplicate,
-            (Some(seq), Some(last)) if seq - last > MAX_SEQ_JUMP => {
-                return SeqCheck::Jump { last }
-            }
+            (Some(seq), Some(last)) if seq - last > MAX_SEQ_JUMP => return SeqCheck::Jump { last },
             (Some(seq), Some(last)) => {
                 w.last_seq = Some(seq);
                 seq - last - 1

@@ -21,7 +21,6 @@ mod slab;
 pub use approx::ApproxIndex;
 pub use owners::{IndexStats, OwnerIndex};
 
-
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 

@@ -334,7 +334,10 @@ mod tests {
         index.store(0, 0, None, &blocks(&[1]));
         assert_eq!(index.move_namespace(0, 0, 5), 2);
         let k = chain_locals([1, 2]);
-        assert!(!index.owns(0, k[0], 0), "nothing stays in the old namespace");
+        assert!(
+            !index.owns(0, k[0], 0),
+            "nothing stays in the old namespace"
+        );
         assert!(index.owns(5, k[0], 0) && index.owns(5, k[1], 0));
         assert!(
             index.remove(0, &[1001]).is_empty(),
