@@ -135,6 +135,25 @@ pub struct IngestReport {
     pub rejections: Vec<Rejection>,
 }
 
+/// Tokens per block for each model: what the HTTP adapter cuts a route's tokens with, so a
+/// prompt is keyed exactly as its model's KV events are.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockSizes {
+    /// `--block-size`: models without a size of their own.
+    pub default: u32,
+    /// Sizes declared by joins, overridden by `--model-block-size`.
+    pub models: BTreeMap<String, u32>,
+}
+
+impl BlockSizes {
+    pub fn of(&self, model: Option<&str>) -> u32 {
+        model
+            .and_then(|m| self.models.get(m))
+            .copied()
+            .unwrap_or(self.default)
+    }
+}
+
 /// Leading blocks of a prompt a worker rank holds on each lower tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierDepths {
@@ -327,6 +346,21 @@ impl Router {
             })
             .copied()
             .unwrap_or(self.config.block_size)
+    }
+
+    /// Every model's block size as routes must use it.
+    pub fn block_sizes(&self) -> BlockSizes {
+        let mut models = self.state.declared_block_sizes.clone();
+        models.extend(
+            self.config
+                .model_block_sizes
+                .iter()
+                .map(|(m, &s)| (m.clone(), s)),
+        );
+        BlockSizes {
+            default: self.config.block_size,
+            models,
+        }
     }
 
     /// Records the model a worker declared (join or load sample) on each of its ranks.

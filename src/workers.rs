@@ -370,7 +370,8 @@ impl Workers {
     /// Checks a batch's `Kv-Epoch` and `Kv-Seq` against the rank of `slot` and records them.
     ///
     /// A batch with an epoch other than the rank's current one starts a new epoch (the engine
-    /// restarted), unless it is one of the rank's retired epochs (a late batch: stale). Within an
+    /// restarted), unless it is one of the rank's retired epochs (a late batch: stale); a rank
+    /// without an epoch adopts the first one it sees, and its sequence starts over. Within an
     /// epoch a sequence at or below the last applied one is a duplicate, a jump beyond
     /// [`MAX_SEQ_JUMP`] is rejected without advancing, and a skip is a gap. The first sequence
     /// of an epoch is taken as it comes.
@@ -387,8 +388,10 @@ impl Workers {
                 if w.retired_epochs.iter().any(|r| r == e) {
                     return SeqCheck::StaleEpoch;
                 }
+                // The first epoch a rank hears of (after a join, or from a publisher that sent
+                // none before) is adopted; only a change from one epoch to another is a restart.
+                new_epoch = w.epoch.is_some();
                 w.enter_epoch(Some(e.to_owned()));
-                new_epoch = true;
             }
         }
         let gap = match (seq, w.last_seq) {
