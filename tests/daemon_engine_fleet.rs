@@ -201,19 +201,27 @@ async fn a_join_with_the_running_epoch_clears_nothing_and_a_plain_join_clears_th
         epoch: Some("e1"),
         ..none()
     };
-    fleet.events("w", e1(5), &[stored(&prompt(1, 4), "GPU")]).await;
+    fleet
+        .events("w", e1(5), &[stored(&prompt(1, 4), "GPU")])
+        .await;
     fleet.daemon.wait_blocks("w", 4).await;
     // A restarted sidecar re-announces the engine that kept running.
     fleet
         .lifecycle("w", "join", &[("epoch", Mp::from("e1"))])
         .await;
     // Redelivered batch 5 must stay a duplicate; batch 6 is new.
-    fleet.events("w", e1(5), &[stored(&prompt(2, 2), "GPU")]).await;
-    fleet.events("w", e1(6), &[stored(&prompt(3, 1), "GPU")]).await;
+    fleet
+        .events("w", e1(5), &[stored(&prompt(2, 2), "GPU")])
+        .await;
+    fleet
+        .events("w", e1(6), &[stored(&prompt(3, 1), "GPU")])
+        .await;
     fleet.daemon.wait_blocks("w", 5).await;
     // A join without an epoch announces a new engine process.
     fleet.lifecycle("w", "join", &[]).await;
-    fleet.events("w", none(), &[stored(&prompt(4, 1), "GPU")]).await;
+    fleet
+        .events("w", none(), &[stored(&prompt(4, 1), "GPU")])
+        .await;
     fleet.daemon.wait_blocks("w", 1).await;
     let body = fleet.route(&prompt(1, 4), json!({})).await;
     assert_eq!(
@@ -226,7 +234,9 @@ async fn a_join_with_the_running_epoch_clears_nothing_and_a_plain_join_clears_th
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poisoned_sequence_is_rejected_and_later_batches_apply_across_a_daemon_restart() {
     let mut fleet = Fleet::start(&[]).await;
-    fleet.events("w", seq(1), &[stored(&prompt(1, 1), "GPU")]).await;
+    fleet
+        .events("w", seq(1), &[stored(&prompt(1, 1), "GPU")])
+        .await;
     fleet.daemon.wait_blocks("w", 1).await;
     fleet
         .events("w", seq(u64::MAX), &[stored(&prompt(2, 1), "GPU")])
@@ -235,7 +245,9 @@ async fn a_poisoned_sequence_is_rejected_and_later_batches_apply_across_a_daemon
     fleet.daemon.terminate();
     fleet.daemon.restart().await;
     fleet.daemon.wait_ready().await;
-    fleet.events("w", seq(2), &[stored(&prompt(3, 1), "GPU")]).await;
+    fleet
+        .events("w", seq(2), &[stored(&prompt(3, 1), "GPU")])
+        .await;
     fleet.daemon.wait_blocks("w", 2).await;
     let body = fleet.route(&prompt(2, 1), json!({})).await;
     assert_eq!(
@@ -253,7 +265,9 @@ async fn two_dp_ranks_are_routed_by_rank_and_one_ranks_clear_leaves_the_others_b
         ..none()
     };
     let long = prompt(1, 4);
-    fleet.events("w", rank(0), &[stored(&prompt(2, 2), "GPU")]).await;
+    fleet
+        .events("w", rank(0), &[stored(&prompt(2, 2), "GPU")])
+        .await;
     fleet.events("w", rank(1), &[stored(&long, "GPU")]).await;
     fleet.daemon.wait_blocks("w", 6).await;
     let body = fleet.route(&long, json!({})).await;
@@ -300,7 +314,9 @@ async fn a_block_stored_twice_is_owned_until_its_second_removal() {
     fleet.events("w", none(), &[stored(&p, "GPU")]).await;
     fleet.events("w", none(), &[removed(&p, "GPU")]).await;
     // Ordered after the removal on the stream: once it shows, the removal was applied.
-    fleet.events("w", none(), &[stored(&prompt(2, 1), "GPU")]).await;
+    fleet
+        .events("w", none(), &[stored(&prompt(2, 1), "GPU")])
+        .await;
     fleet.daemon.wait_blocks("w", 5).await;
     let body = fleet.route(&p, json!({})).await;
     assert_eq!(
@@ -326,7 +342,7 @@ async fn a_store_with_an_unknown_parent_is_counted_and_keyed_as_a_chain_start() 
     };
     let orphan = VllmEvent::BlockStored {
         block_hashes,
-        parent_block_hash: Some(0xAB5E_17),
+        parent_block_hash: Some(0x00AB_5E17),
         token_ids,
         block_size: 16,
         lora_id: None,
@@ -350,9 +366,7 @@ async fn host_and_disk_blocks_show_as_lower_tier_depth_never_as_device_ownership
     let p = prompt(1, 4);
     fleet.loaded("x", 0.1).await;
     fleet.events("w", none(), &[stored(&p, "CPU")]).await;
-    fleet
-        .events("w", none(), &[stored(&p[..32], "DISK")])
-        .await;
+    fleet.events("w", none(), &[stored(&p[..32], "DISK")]).await;
     let row_of_w = |body: &Value| {
         body["explain"]
             .as_array()
@@ -413,7 +427,9 @@ async fn a_leave_is_not_undone_by_late_load_samples_or_events() {
     // Late messages, each followed on the same path by a barrier from another worker.
     fleet.load("w", None, 0.2, None).await;
     fleet.loaded("barrier", 0.3).await;
-    fleet.events("w", none(), &[stored(&prompt(1, 2), "GPU")]).await;
+    fleet
+        .events("w", none(), &[stored(&prompt(1, 2), "GPU")])
+        .await;
     fleet
         .events("barrier", none(), &[stored(&prompt(2, 1), "GPU")])
         .await;
@@ -480,7 +496,11 @@ async fn a_spill_reports_no_matched_blocks_for_the_non_owner_it_chose() {
         ("cool", "pressure_spill", 0),
         "the chosen worker holds none of the prefix: {body}"
     );
-    assert_eq!(body["owners"], json!(["owner"]), "owners still shows the owner");
+    assert_eq!(
+        body["owners"],
+        json!(["owner"]),
+        "owners still shows the owner"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
