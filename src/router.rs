@@ -632,6 +632,18 @@ impl Router {
             },
             None => None,
         };
+        if let (LifecycleOp::Join, Some(n)) = (msg.op, dp_size) {
+            // The new process has exactly `n` ranks: ranks beyond them are gone.
+            let gone: Vec<Slot> = self
+                .state
+                .workers
+                .slots_of(id)
+                .filter(|&s| self.state.workers.get(s).is_some_and(|w| w.dp_rank >= n))
+                .collect();
+            for slot in gone {
+                self.remove_slot(slot);
+            }
+        }
         let mut ranks: Vec<u32> = self
             .state
             .workers

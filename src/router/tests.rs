@@ -1241,6 +1241,23 @@ fn ranks_are_candidates_of_their_own_and_one_ranks_clear_leaves_the_others_block
         "reserved work summed, pressure the highest rank's: {:?}",
         rows[0]
     );
+    let mut join = lifecycle("w", LifecycleOp::Join);
+    join.dp_size = Some(3);
+    fleet.join(join.clone());
+    let ranks = |fleet: &Fleet| {
+        let w = id("w");
+        let workers = &fleet.router.state.workers;
+        let mut r: Vec<u32> = workers
+            .slots_of(&w)
+            .map(|s| workers.get(s).unwrap().dp_rank)
+            .collect();
+        r.sort();
+        r
+    };
+    assert_eq!(ranks(&fleet), [0, 1, 2], "a join declares every rank a candidate");
+    join.dp_size = Some(1);
+    fleet.join(join);
+    assert_eq!(ranks(&fleet), [0], "a join with fewer ranks drops the others");
     fleet.store("single", &[5, 6]);
     let d = fleet.route(&[5, 6]);
     assert_eq!(
