@@ -35,6 +35,21 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Parses `NAME=SIZE` for `--model-block-size`.
+fn parse_model_block_size(s: &str) -> Result<(String, u32), String> {
+    let (name, size) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("{s:?}: expected NAME=SIZE, e.g. llama-3-8b=16"))?;
+    let name = name.trim();
+    if name.is_empty() {
+        return Err(format!("{s:?}: the model name is empty"));
+    }
+    match size.trim().parse::<u32>() {
+        Ok(n) if n > 0 => Ok((name.to_owned(), n)),
+        _ => Err(format!("{s:?}: the block size must be a positive integer")),
+    }
+}
+
 /// Routing settings, shared by `serve` (defaults as shown) and `replay` (where a flag given
 /// overrides the recorded setting: a counterfactual).
 #[derive(Debug, Clone, Default, Args)]
@@ -46,6 +61,15 @@ pub struct PolicyArgs {
     /// Tokens per KV block; events with another block size are rejected [default: 16]
     #[arg(long, env = "KVROUTED_BLOCK_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: Option<u32>,
+    /// A model's block size, fixed: NAME=SIZE (repeatable, or comma-separated). Other models use
+    /// what their workers' joins declare, else --block-size
+    #[arg(
+        long = "model-block-size",
+        env = "KVROUTED_MODEL_BLOCK_SIZE",
+        value_parser = parse_model_block_size,
+        value_delimiter = ','
+    )]
+    pub model_block_size: Vec<(String, u32)>,
     /// Known owners of a prefix at which the router stops creating new ones [default: 4]
     #[arg(long, env = "KVROUTED_MAX_OWNERS_PER_PREFIX", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_owners_per_prefix: Option<u64>,
@@ -125,6 +149,11 @@ impl PolicyArgs {
             "min_match_blocks"
         );
         set!(config.block_size, self.block_size, "block_size");
+        if !self.model_block_size.is_empty() {
+            let sizes: std::collections::BTreeMap<String, u32> =
+                self.model_block_size.iter().cloned().collect();
+            set!(config.model_block_sizes, Some(sizes), "model_block_sizes");
+        }
         set!(
             config.approx_ttl_ms,
             self.approx_ttl.map(ms),

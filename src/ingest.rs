@@ -97,12 +97,18 @@ fn decode(
     let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
     match kind {
         Kind::Events => {
-            let headers =
+            let mut headers =
                 wire::parse_kv_headers(header("Kv-Seq"), header("Kv-Model"), header("Kv-Dp-Rank"))?;
+            headers.epoch = header("Kv-Epoch").map(wire::parse_kv_epoch).transpose()?;
             wire::decode_kv_batch(payload, worker, headers).map(Input::KvEvents)
         }
         Kind::Load => {
             let mut sample = wire::decode_load(payload, worker)?;
+            if let Some(rank) = header("Kv-Dp-Rank") {
+                sample.dp_rank = wire::parse_kv_headers(None, None, Some(rank))?
+                    .dp_rank
+                    .unwrap_or(0);
+            }
             if sample.model.is_none() {
                 sample.model = header("Kv-Model")
                     .filter(|m| !m.is_empty())

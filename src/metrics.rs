@@ -3,7 +3,9 @@
 //! Names: `kvrouted_route_decisions_total{decision}`, `kvrouted_route_duration_seconds`,
 //! `kvrouted_route_matched_blocks`, `kvrouted_prefix_owner_count`,
 //! `kvrouted_events_applied_total{kind}`, `kvrouted_inputs_rejected_total{reason}`,
-//! `kvrouted_event_seq_gaps_total`, `kvrouted_index_blocks`, `kvrouted_index_entries`,
+//! `kvrouted_event_seq_gaps_total`, `kvrouted_orphan_blocks_total`,
+//! `kvrouted_engine_restarts_total`, `kvrouted_departed_inputs_total`,
+//! `kvrouted_index_blocks`, `kvrouted_index_entries`,
 //! `kvrouted_workers{state}`, `kvrouted_worker_pressure{worker}`,
 //! `kvrouted_worker_reserved_work{worker}`, `kvrouted_nats_reconnects_total`,
 //! `kvrouted_ingest_lag_seconds`, `kvrouted_journal_*`.
@@ -49,6 +51,9 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         counter!("kvrouted_inputs_rejected_total", "reason" => reason.as_str()).absolute(0);
     }
     counter!("kvrouted_event_seq_gaps_total").absolute(0);
+    counter!("kvrouted_orphan_blocks_total").absolute(0);
+    counter!("kvrouted_engine_restarts_total").absolute(0);
+    counter!("kvrouted_departed_inputs_total").absolute(0);
     counter!("kvrouted_nats_reconnects_total").absolute(0);
     Ok(handle)
 }
@@ -90,13 +95,31 @@ pub fn record_output(output: &Output, source: &str) {
             let kinds = [
                 ("stored", r.stored_blocks),
                 ("removed", r.removed_blocks),
+                ("stored_lower_tier", r.lower_tier_stored),
+                ("removed_lower_tier", r.lower_tier_removed),
                 ("cleared", r.cleared),
-                ("ignored_medium", r.ignored_blocks),
+                ("ignored_group", r.ignored_blocks),
             ];
             for (kind, n) in kinds {
                 if n > 0 {
                     counter!("kvrouted_events_applied_total", "kind" => kind).increment(n);
                 }
+            }
+            if r.orphan_blocks > 0 {
+                // Blocks keyed from a chain start because their parent was unknown.
+                counter!("kvrouted_orphan_blocks_total").increment(r.orphan_blocks);
+            }
+            if r.new_epoch {
+                counter!("kvrouted_engine_restarts_total").increment(1);
+                tracing::info!(
+                    source,
+                    cleared_blocks = r.cleared_blocks,
+                    "new KV event epoch: engine restarted, its rank was cleared"
+                );
+            }
+            if r.departed {
+                // A late message from a worker that left: ignored, never brings it back.
+                counter!("kvrouted_departed_inputs_total").increment(1);
             }
             if r.duplicate {
                 counter!("kvrouted_events_applied_total", "kind" => "duplicate_batch").increment(1);

@@ -197,25 +197,20 @@ async fn bad_nats_input_on_every_subject_is_dropped_with_a_counted_reason_and_ch
         encode_lifecycle(LifecycleOp::Join, None, Some(16), None),
     )
     .await;
-    // Lifecycle: an unknown op, a wrong type, a join with another block size.
+    // Lifecycle: an unknown op, a wrong type. (A lifecycle message with a bad field has that
+    // field rejected and its op applied, so it changes state: tests/daemon_engine_fleet.rs.)
     let op = |op: Mp| mp(Mp::Map(vec![(Mp::from("op"), op)]));
     w.publish_js("kv.workers.owner", none(), op(Mp::from("reboot")))
         .await;
     w.publish_js("kv.workers.owner", none(), op(Mp::from(5)))
         .await;
-    w.publish_js(
-        "kv.workers.owner",
-        none(),
-        encode_lifecycle(LifecycleOp::Join, None, Some(32), None),
-    )
-    .await;
     // Last in the stream, a message with nothing to journal: its ack must not wait forever.
     w.publish_js("kv.events.owner", none(), GARBAGE.to_vec())
         .await;
 
     let expected = [
         ("malformed_payload", 4.0),
-        ("block_size_mismatch", 2.0),
+        ("block_size_mismatch", 1.0),
         ("token_count_mismatch", 1.0),
         ("unknown_event_tag", 1.0),
         ("invalid_header", 1.0),

@@ -64,6 +64,7 @@ fn batch(worker: usize, event: KvEvent) -> Input {
         model: None,
         dp_rank: 0,
         seq: None,
+        epoch: None,
         events: vec![event],
     })
 }
@@ -74,12 +75,14 @@ proptest! {
     #[test]
     fn index_matches_a_naive_set_of_worker_key_pairs(steps in proptest::collection::vec(step(), 1..60)) {
         let mut router = Router::new(RouterConfig { block_size: BLOCK, ..RouterConfig::default() });
-        // The model: per worker, the set of keys it holds.
-        let mut model: BTreeMap<usize, BTreeSet<u64>> = BTreeMap::new();
+        // The model: per worker, the keys it holds and how many stores of each are unremoved.
+        let mut model: BTreeMap<usize, BTreeMap<u64, u32>> = BTreeMap::new();
+        // Workers that left: their later events are ignored (sticky leave).
+        let mut departed: BTreeSet<usize> = BTreeSet::new();
         for (seq, step) in steps.into_iter().enumerate() {
             let input = match step {
                 Step::Store { worker, parent, unknown_parent, locals } => {
-                    let held: Vec<u64> = model.get(&worker).map(|s| s.iter().copied().collect()).unwrap_or_default();
+                    let held: Vec<u64> = model.get(&worker).map(|s| s.keys().copied().collect()).unwrap_or_default();
                     let (parent_hash, mut parent_key) = match parent.filter(|_| !held.is_empty()) {
                         _ if unknown_parent => (Some(0xDEAD_BEEF), None),
                         Some(p) => { let k = held[p % held.len()]; (Some(engine(k)), Some(k)) }
@@ -89,19 +92,28 @@ proptest! {
                     for local in locals {
                         let key = chain(parent_key, local);
                         blocks.push(StoredBlock { engine_hash: engine(key), local });
-                        model.entry(worker).or_default().insert(key);
+                        if !departed.contains(&worker) {
+                            *model.entry(worker).or_default().entry(key).or_insert(0) += 1;
+                        }
                         parent_key = Some(key);
                     }
-                    batch(worker, KvEvent::Stored { parent: parent_hash, blocks, block_size: BLOCK, lora: None, medium: Medium::Gpu })
+                    batch(worker, KvEvent::Stored { parent: parent_hash, blocks, block_size: BLOCK, lora: None, medium: Medium::Gpu, full_attention: true })
                 }
                 Step::Remove { worker, picks } => {
-                    let held: Vec<u64> = model.get(&worker).map(|s| s.iter().copied().collect()).unwrap_or_default();
+                    let held: Vec<u64> = model.get(&worker).map(|s| s.keys().copied().collect()).unwrap_or_default();
                     let mut hashes = vec![0xDEAD_BEEF];
                     if !held.is_empty() {
                         for p in picks {
                             let key = held[p % held.len()];
                             hashes.push(engine(key));
-                            model.entry(worker).or_default().remove(&key);
+                            // One removal per store: a block stored twice needs two.
+                            let keys = model.entry(worker).or_default();
+                            if let Some(count) = keys.get_mut(&key) {
+                                *count -= 1;
+                                if *count == 0 {
+                                    keys.remove(&key);
+                                }
+                            }
                         }
                     }
                     batch(worker, KvEvent::Removed { engine_hashes: hashes, medium: Medium::Gpu })
@@ -112,14 +124,15 @@ proptest! {
                 }
                 Step::Leave { worker } => {
                     model.remove(&worker);
-                    Input::Lifecycle(Lifecycle { worker: id(worker), op: LifecycleOp::Leave, model: None, block_size: None, capacity_blocks: None })
+                    departed.insert(worker);
+                    Input::Lifecycle(Lifecycle { worker: id(worker), op: LifecycleOp::Leave, model: None, block_size: None, capacity_blocks: None, dp_size: None, epoch: None })
                 }
             };
             router.apply(&Stamped { seq: seq as u64 + 1, at_ms: 1_000 + seq as u64, input });
 
             let expected: BTreeSet<(String, u64)> = model
                 .iter()
-                .flat_map(|(w, keys)| keys.iter().map(move |&k| (WORKERS[*w].to_string(), k)))
+                .flat_map(|(w, keys)| keys.keys().map(move |&k| (WORKERS[*w].to_string(), k)))
                 .collect();
             let actual: BTreeSet<(String, u64)> = router
                 .ownerships()

@@ -237,7 +237,6 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             writer: writer.clone(),
             status,
             prometheus,
-            block_size: config.block_size as usize,
             max_prompt_tokens: args.max_prompt_tokens,
         },
         args.max_body_bytes,

@@ -20,7 +20,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::message::Acker;
@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::input::{Input, Stamped};
 use crate::journal::{Journal, JournalEntry, RouteOutcome, Snapshot};
 use crate::metrics;
-use crate::router::{Output, Router};
+use crate::router::{BlockSizes, Output, Router};
 
 /// Capacity of the ingest lane. Small on purpose: a full lane pushes back on NATS (JetStream
 /// flow control) instead of building seconds of backlog in memory.
@@ -98,6 +98,9 @@ struct Shared {
     /// `None` once the writer has shut down.
     state: Mutex<Option<WriterState>>,
     gateway_waiting: AtomicUsize,
+    /// Each model's block size, for handlers cutting tokens into blocks without the state's
+    /// lock; replaced whenever a lifecycle message is applied (joins declare sizes).
+    block_sizes: RwLock<Arc<BlockSizes>>,
 }
 
 impl Shared {
@@ -192,6 +195,17 @@ impl WriterHandle {
             .send(Command::Ack(ack))
             .await
             .map_err(|_| WriterGone)
+    }
+
+    /// The block size routes for `model` are cut with.
+    pub fn block_size_of(&self, model: Option<&str>) -> u32 {
+        let sizes = self
+            .shared
+            .block_sizes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        sizes.of(model)
     }
 
     /// Reads the state (not journaled).
@@ -335,7 +349,9 @@ pub fn spawn(
         ingest: ingest_rx,
         runtime: tokio::runtime::Handle::current(),
     };
+    let block_sizes = RwLock::new(Arc::new(router.block_sizes()));
     let shared = Arc::new(Shared {
+        block_sizes,
         state: Mutex::new(Some(WriterState {
             router,
             journal: journal.clone(),
@@ -360,7 +376,15 @@ pub fn spawn(
                         shared.yield_to_gateway();
                         let Ok(mut guard) = shared.lock() else { return };
                         let Some(state) = guard.as_mut() else { return };
+                        let lifecycle = matches!(input, Input::Lifecycle(_));
                         let applied = state.apply(input, source);
+                        if lifecycle {
+                            let sizes = Arc::new(state.router.block_sizes());
+                            *shared
+                                .block_sizes
+                                .write()
+                                .unwrap_or_else(|e| e.into_inner()) = sizes;
+                        }
                         // Queued under the lock, so the flusher never sees `appended` past an
                         // entry whose ack is not queued yet.
                         if let Some(ack) = ack {

@@ -33,7 +33,6 @@ pub struct AppState {
     pub writer: WriterHandle,
     pub status: Arc<Status>,
     pub prometheus: PrometheusHandle,
-    pub block_size: usize,
     pub max_prompt_tokens: usize,
 }
 
@@ -183,7 +182,8 @@ const MAX_REQUEST_ID: usize = 256;
 
 /// Validates a route body and hashes its tokens into block keys.
 fn route_request(state: &AppState, body: RouteBody) -> Result<RouteRequest, ApiError> {
-    let bs = state.block_size;
+    // Each model's own block size, so the prompt is keyed as its KV events are.
+    let bs = state.writer.block_size_of(body.model.as_deref()) as usize;
     let too_large = |tokens: usize| {
         reject(
             &Rejection::new(

@@ -25,8 +25,11 @@ use crate::input::{Input, WorkerId};
 use crate::policy::DecisionLabel;
 use crate::router::{Output, RouterConfig, RouterState};
 
-/// Version of the on-disk format. A data dir written by a newer version is refused.
-pub const SCHEMA_VERSION: u32 = 1;
+/// Version of the on-disk format. A data dir written by another version is refused.
+///
+/// Version 2 holds ownership, load and reserved work per (worker, data-parallel rank), with
+/// epochs, store counts and lower tiers: a version-1 snapshot cannot be read as that state.
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Snapshots kept; journal retention never drops entries the oldest of them needs.
 const SNAPSHOTS_KEPT: usize = 2;
@@ -99,6 +102,12 @@ pub enum JournalError {
     Locked { dir: String },
     #[error("data dir {dir} was written by a newer kvrouted (schema version {found}, this build reads up to {supported}); refusing to start with an empty index")]
     FutureSchema {
+        dir: String,
+        found: u32,
+        supported: u32,
+    },
+    #[error("data dir {dir} was written by an older kvrouted (schema version {found}; this build reads version {supported} only, with ownership per data-parallel rank); move it aside and start with an empty --data-dir: JetStream redelivers what the stream still holds")]
+    PastSchema {
         dir: String,
         found: u32,
         supported: u32,
@@ -202,6 +211,13 @@ impl Journal {
                 })?);
                 if found > SCHEMA_VERSION {
                     return Err(JournalError::FutureSchema {
+                        dir: shown,
+                        found,
+                        supported: SCHEMA_VERSION,
+                    });
+                }
+                if found < SCHEMA_VERSION {
+                    return Err(JournalError::PastSchema {
                         dir: shown,
                         found,
                         supported: SCHEMA_VERSION,

@@ -159,6 +159,7 @@ fn traffic(i: u64) -> Input {
             )
         }),
         2 => Input::Load(LoadSample {
+            dp_rank: 0,
             worker: worker(w),
             kv_usage: (i % 10) as f64 / 10.0,
             running: 1,
@@ -306,5 +307,21 @@ fn a_dir_written_by_a_newer_schema_is_refused() {
     assert!(
         matches!(err, JournalError::FutureSchema { found, .. } if found == SCHEMA_VERSION + 1),
         "{err}"
+    );
+}
+
+#[test]
+fn a_dir_written_by_the_schema_before_per_rank_ownership_is_refused_with_the_way_out() {
+    let dir = tempfile::TempDir::new().unwrap();
+    write_schema_version(dir.path(), 1).unwrap();
+    let err = reopen(dir.path(), Journal::open).err().unwrap();
+    assert!(
+        matches!(err, JournalError::PastSchema { found: 1, .. }),
+        "a version-1 dir is refused, never opened with an unreadable snapshot: {err}"
+    );
+    let message = err.to_string();
+    assert!(
+        !message.contains('\n') && message.contains("empty --data-dir"),
+        "the error is one line that says what to do: {message}"
     );
 }

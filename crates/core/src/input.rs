@@ -92,10 +92,19 @@ pub enum RejectReason {
     UnknownLifecycleOp,
     /// A `Kv-Seq` or `Kv-Dp-Rank` header that is not a decimal integer.
     InvalidHeader,
+    /// A `Kv-Seq` more than [`MAX_SEQ_JUMP`] ahead of the last applied one of its (worker, dp
+    /// rank, epoch): a corrupt or hostile sequence that would make every later batch look like a
+    /// duplicate. The batch is not applied and the sequence does not advance.
+    SeqJump,
 }
 
+/// The largest forward jump of `Kv-Seq` within one epoch that is believed: a million batches
+/// is minutes of a busy engine's events, far more than any broker or bridge outage loses
+/// while the publisher keeps its epoch. A larger jump is rejected ([`RejectReason::SeqJump`]).
+pub const MAX_SEQ_JUMP: u64 = 1_000_000;
+
 impl RejectReason {
-    pub const ALL: [RejectReason; 10] = [
+    pub const ALL: [RejectReason; 11] = [
         RejectReason::MalformedPayload,
         RejectReason::UnknownEventTag,
         RejectReason::InvalidField,
@@ -106,6 +115,7 @@ impl RejectReason {
         RejectReason::OversizePayload,
         RejectReason::UnknownLifecycleOp,
         RejectReason::InvalidHeader,
+        RejectReason::SeqJump,
     ];
 
     /// The metric label.
@@ -121,6 +131,7 @@ impl RejectReason {
             RejectReason::OversizePayload => "oversize_payload",
             RejectReason::UnknownLifecycleOp => "unknown_lifecycle_op",
             RejectReason::InvalidHeader => "invalid_header",
+            RejectReason::SeqJump => "seq_jump",
         }
     }
 }
@@ -142,12 +153,34 @@ impl Rejection {
     }
 }
 
-/// Where a block lives on the worker. Only GPU blocks count as ownership; other tiers (CPU
-/// offload, disk) are counted and ignored, never mixed with GPU ownership.
+/// Where a block lives on the worker. Only `Gpu` is device ownership; the others are lower
+/// tiers, tracked apart and never mixed with device ownership.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Medium {
     Gpu,
-    Other,
+    /// Host memory: `CPU`, `CPU_PINNED`.
+    Host,
+    /// `DISK`, `STORAGE`, `FS`, `OBJ`, `EXTERNAL` and any unknown medium string.
+    #[serde(alias = "Other")]
+    Disk,
+}
+
+impl Medium {
+    /// The tier a medium string names: `GPU` the device, `CPU` and `CPU_PINNED` host memory,
+    /// anything else (`DISK`, `STORAGE`, `FS`, `OBJ`, `EXTERNAL`, unknown) disk.
+    pub fn from_name(name: &str) -> Medium {
+        if name.eq_ignore_ascii_case("GPU") {
+            Medium::Gpu
+        } else if name.eq_ignore_ascii_case("CPU") || name.eq_ignore_ascii_case("CPU_PINNED") {
+            Medium::Host
+        } else {
+            Medium::Disk
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// One block of a `BlockStored` event, already hashed by the adapter.
@@ -170,6 +203,10 @@ pub enum KvEvent {
         /// LoRA adapter name; each (model, LoRA) pair is its own namespace.
         lora: Option<String>,
         medium: Medium,
+        /// False when the event's `kv_cache_spec_kind` names a kind other than full attention
+        /// (sliding window, mamba, ...): accepted, counted as ignored, not ownership.
+        #[serde(default = "default_true")]
+        full_attention: bool,
     },
     Removed {
         engine_hashes: Vec<u64>,
@@ -188,6 +225,10 @@ pub struct KvEventBatch {
     pub dp_rank: u32,
     /// `Kv-Seq` publisher sequence; batches without one apply in arrival order.
     pub seq: Option<u64>,
+    /// `Kv-Epoch`: the publisher's incarnation (1–64 chars). A new epoch means the engine
+    /// restarted. None = no header.
+    #[serde(default)]
+    pub epoch: Option<String>,
     pub events: Vec<KvEvent>,
 }
 
@@ -199,6 +240,7 @@ impl KvEventBatch {
             model: None,
             dp_rank: 0,
             seq: None,
+            epoch: None,
             events,
         }
     }
@@ -219,6 +261,7 @@ impl KvEventBatch {
                 block_size,
                 lora: None,
                 medium: Medium::Gpu,
+                full_attention: true,
             }],
         )
     }
@@ -233,6 +276,9 @@ pub struct LoadSample {
     pub waiting: u32,
     pub max_running: Option<u32>,
     pub model: Option<String>,
+    /// `Kv-Dp-Rank` header; 0 when absent.
+    #[serde(default)]
+    pub dp_rank: u32,
 }
 
 impl LoadSample {
@@ -262,6 +308,12 @@ pub struct Lifecycle {
     pub model: Option<String>,
     pub block_size: Option<u32>,
     pub capacity_blocks: Option<u64>,
+    #[serde(default)]
+    pub dp_size: Option<u32>,
+    /// The engine incarnation the worker's ranks run (the bridge sends the epoch it publishes
+    /// with). A join with the epoch the ranks already have is a re-announcement: clears nothing.
+    #[serde(default)]
+    pub epoch: Option<String>,
 }
 
 /// A routing request, reduced to what the decision needs (tokens are already block keys).

@@ -1,12 +1,14 @@
 //! The worker table: who is known, in what state, how loaded, and how much work the router has
 //! reserved on each.
 
+use std::collections::VecDeque;
+
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::index::Slot;
-use crate::input::{LoadSample, WorkerId};
+use crate::input::{LoadSample, WorkerId, MAX_SEQ_JUMP};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -36,23 +38,48 @@ pub struct Telemetry {
     pub received_ms: u64,
 }
 
+/// One data-parallel rank of a worker: the unit the router routes to, owns blocks, tracks load
+/// and reserves work on. A worker with one rank (the common case) is one entry; a worker with
+/// several has one entry per rank, and the worker-level fields (`state`, `model`,
+/// `capacity_blocks`, `block_size`, `dp_size`, `last_heard_ms`) are kept equal across them.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Worker {
     pub id: WorkerId,
+    /// The data-parallel rank of this entry (`Kv-Dp-Rank`, or the batch's own field).
+    pub dp_rank: u32,
     pub state: WorkerState,
     /// The model it declared (lifecycle or load sample); routes for another model skip it.
     pub model: Option<String>,
     pub capacity_blocks: Option<u64>,
+    /// The block size the worker declared in its `join`.
+    pub block_size: Option<u32>,
+    /// The number of data-parallel ranks the worker declared in its `join`.
+    pub dp_size: Option<u32>,
+    /// The latest load sample of this rank.
     pub telemetry: Option<Telemetry>,
-    /// Daemon clock of the last message of any kind from this worker.
+    /// Daemon clock of the last message of any kind from this worker (any rank).
     pub last_heard_ms: u64,
-    /// Sum of open reservations' work (DESIGN.md §6).
+    /// Sum of open reservations' work on this rank (DESIGN.md §6).
     pub reserved_work: u64,
-    /// Number of open reservations: the request count the `legacy` baseline balances.
+    /// Number of open reservations on this rank: the request count the `legacy` baseline
+    /// balances.
     pub reserved_requests: u32,
-    /// Last applied `Kv-Seq` per data-parallel rank.
-    pub last_seq: SmallVec<[(u32, u64); 1]>,
+    /// The engine incarnation this rank runs (`Kv-Epoch`, or the epoch a `join` carried).
+    pub epoch: Option<String>,
+    /// Epochs this rank ran before, oldest first, at most [`RETIRED_EPOCHS_KEPT`]: a late batch
+    /// of one of them is stale and skipped rather than taken for yet another restart.
+    pub retired_epochs: SmallVec<[String; 1]>,
+    /// Last applied `Kv-Seq` in the current epoch.
+    pub last_seq: Option<u64>,
 }
+
+/// Retired epochs remembered per rank.
+pub const RETIRED_EPOCHS_KEPT: usize = 4;
+
+/// Departed ids remembered (sticky leave). Beyond it the oldest departure is forgotten first: a
+/// late message for that id can then bring it back, which is the pre-leave behaviour, never a
+/// loss of state.
+pub const MAX_DEPARTED: usize = 16_384;
 
 impl Worker {
     /// Pressure if the telemetry is fresh (no older than `max_age_ms` at `now_ms`).
@@ -69,63 +96,157 @@ impl Worker {
     pub fn waiting(&self) -> u32 {
         self.telemetry.map_or(0, |t| t.waiting)
     }
+
+    /// Moves this rank to `epoch`: the current one (if any) is retired and the sequence starts
+    /// over.
+    fn enter_epoch(&mut self, epoch: Option<String>) {
+        if let Some(old) = self.epoch.take() {
+            if epoch.as_ref() != Some(&old) && !self.retired_epochs.contains(&old) {
+                if self.retired_epochs.len() >= RETIRED_EPOCHS_KEPT {
+                    self.retired_epochs.remove(0);
+                }
+                self.retired_epochs.push(old);
+            }
+        }
+        if let Some(e) = &epoch {
+            self.retired_epochs.retain(|r| r != e);
+        }
+        self.epoch = epoch;
+        self.last_seq = None;
+    }
 }
 
 /// Sequence check of a batch against the last applied one of its (worker, dp rank).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqCheck {
-    /// Apply; `gap` batches were missed before this one.
-    Apply { gap: u64 },
+    /// Apply; `gap` batches were missed before this one. `new_epoch`: the batch starts a new
+    /// engine incarnation, so the rank's ownership must be cleared before it is applied.
+    Apply { gap: u64, new_epoch: bool },
     /// At or below the last applied sequence: a redelivery, skip it.
     Duplicate,
+    /// From an epoch this rank already left behind: skip it.
+    StaleEpoch,
+    /// More than [`MAX_SEQ_JUMP`] ahead of `last`: rejected, the sequence does not advance.
+    Jump { last: u64 },
 }
 
-/// Workers by slot. A slot is never reused for another id, so state keyed by slot (index,
-/// records) cannot be confused between workers.
+/// Ids that left (or aged out), and when: until their next `join` or for `worker_ttl`, late
+/// load samples and events do not bring them back. Bounded by [`MAX_DEPARTED`].
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+struct Departed {
+    /// (departure time, id), oldest first. An id appears once.
+    order: VecDeque<(u64, WorkerId)>,
+}
+
+impl Departed {
+    fn position(&self, id: &WorkerId) -> Option<usize> {
+        self.order.iter().position(|(_, d)| d == id)
+    }
+}
+
+/// Worker ranks by slot. A slot is one (worker id, dp rank) and is never reused for another, so
+/// state keyed by slot (index, records, reservations) cannot be confused between workers or
+/// ranks.
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct Workers {
     slots: Vec<Option<Worker>>,
-    ids: Vec<WorkerId>,
+    /// The (id, dp rank) each slot was allocated for.
+    keys: Vec<(WorkerId, u32)>,
+    departed: Departed,
     #[serde(skip)]
-    by_id: FxHashMap<WorkerId, Slot>,
+    by_key: FxHashMap<(WorkerId, u32), Slot>,
+    /// Every slot ever allocated for an id, in rank order of allocation.
+    #[serde(skip)]
+    by_id: FxHashMap<WorkerId, SmallVec<[Slot; 1]>>,
+    /// Departure time per departed id (mirror of `departed.order`).
+    #[serde(skip)]
+    departed_at: FxHashMap<WorkerId, u64>,
 }
 
 impl Workers {
-    /// The slot of `id`, creating the worker (active) if it is not known.
-    /// Returns the slot and whether the worker was new.
-    pub fn touch(&mut self, id: &WorkerId, now_ms: u64) -> (Slot, bool) {
-        let slot = match self.by_id.get(id) {
+    /// The slot of rank `dp_rank` of `id`, creating it (active) if it is not known. A new rank
+    /// of a known worker takes the worker-level fields of its siblings. Every live rank of the
+    /// worker is marked heard at `now_ms`. Returns the slot and whether the worker (any rank)
+    /// was unknown before.
+    pub fn touch(&mut self, id: &WorkerId, dp_rank: u32, now_ms: u64) -> (Slot, bool) {
+        let sibling = self.slots_of(id).next();
+        let new_worker = sibling.is_none();
+        let slot = match self.by_key.get(&(id.clone(), dp_rank)) {
             Some(&slot) => slot,
             None => {
                 let slot = self.slots.len() as Slot;
                 self.slots.push(None);
-                self.ids.push(id.clone());
-                self.by_id.insert(id.clone(), slot);
+                self.keys.push((id.clone(), dp_rank));
+                self.by_key.insert((id.clone(), dp_rank), slot);
+                self.by_id.entry(id.clone()).or_default().push(slot);
                 slot
             }
         };
-        let entry = &mut self.slots[slot as usize];
-        let new = entry.is_none();
-        let worker = entry.get_or_insert_with(|| Worker {
-            id: id.clone(),
-            state: WorkerState::Active,
-            model: None,
-            capacity_blocks: None,
-            telemetry: None,
-            last_heard_ms: now_ms,
-            reserved_work: 0,
-            reserved_requests: 0,
-            last_seq: SmallVec::new(),
-        });
-        worker.last_heard_ms = worker.last_heard_ms.max(now_ms);
-        (slot, new)
+        if self.slots[slot as usize].is_none() {
+            let template = sibling.and_then(|s| self.get(s)).cloned();
+            let worker = match template {
+                Some(t) => Worker {
+                    dp_rank,
+                    telemetry: None,
+                    reserved_work: 0,
+                    reserved_requests: 0,
+                    epoch: None,
+                    retired_epochs: SmallVec::new(),
+                    last_seq: None,
+                    ..t
+                },
+                None => Worker {
+                    id: id.clone(),
+                    dp_rank,
+                    state: WorkerState::Active,
+                    model: None,
+                    capacity_blocks: None,
+                    block_size: None,
+                    dp_size: None,
+                    telemetry: None,
+                    last_heard_ms: now_ms,
+                    reserved_work: 0,
+                    reserved_requests: 0,
+                    epoch: None,
+                    retired_epochs: SmallVec::new(),
+                    last_seq: None,
+                },
+            };
+            self.slots[slot as usize] = Some(worker);
+        }
+        let siblings: SmallVec<[Slot; 4]> = self.slots_of(id).collect();
+        for s in siblings {
+            let w = self.slots[s as usize].as_mut().expect("live sibling");
+            w.last_heard_ms = w.last_heard_ms.max(now_ms);
+        }
+        (slot, new_worker)
     }
 
-    pub fn slot_of(&self, id: &WorkerId) -> Option<Slot> {
-        self.by_id
-            .get(id)
+    /// The slot of rank `dp_rank` of `id`, if it is live.
+    pub fn slot_of(&self, id: &WorkerId, dp_rank: u32) -> Option<Slot> {
+        self.by_key
+            .get(&(id.clone(), dp_rank))
             .copied()
             .filter(|&s| self.slots[s as usize].is_some())
+    }
+
+    /// The live slots of `id` (one per known rank), in allocation order.
+    pub fn slots_of<'a>(&'a self, id: &WorkerId) -> impl Iterator<Item = Slot> + 'a {
+        self.by_id
+            .get(id)
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(|&s| self.slots[s as usize].is_some())
+    }
+
+    /// Whether the worker of `slot` has more than one data-parallel rank (known or declared):
+    /// then a route reply names the rank.
+    pub fn multi_rank(&self, slot: Slot) -> bool {
+        let Some(w) = self.get(slot) else {
+            return false;
+        };
+        w.dp_size.is_some_and(|n| n > 1) || self.slots_of(&w.id).nth(1).is_some()
     }
 
     pub fn get(&self, slot: Slot) -> Option<&Worker> {
@@ -136,12 +257,12 @@ impl Workers {
         self.slots.get_mut(slot as usize).and_then(Option::as_mut)
     }
 
-    /// Forgets a worker (leave or age-out). Its slot stays reserved for its id.
+    /// Forgets a worker rank (leave or age-out). Its slot stays reserved for its (id, rank).
     pub fn remove(&mut self, slot: Slot) -> Option<Worker> {
         self.slots.get_mut(slot as usize).and_then(Option::take)
     }
 
-    /// Known workers in slot order (deterministic).
+    /// Known worker ranks in slot order (deterministic).
     pub fn iter(&self) -> impl Iterator<Item = (Slot, &Worker)> {
         self.slots
             .iter()
@@ -161,16 +282,71 @@ impl Workers {
         self.slots.len()
     }
 
-    /// Rebuilds the id lookup after deserialization.
+    /// Rebuilds the lookups after deserialization.
     pub fn rebuild(&mut self) {
-        self.by_id = self
-            .ids
+        self.by_key = self
+            .keys
             .iter()
             .enumerate()
-            .map(|(i, id)| (id.clone(), i as Slot))
+            .map(|(i, k)| (k.clone(), i as Slot))
+            .collect();
+        self.by_id.clear();
+        for (i, (id, _)) in self.keys.iter().enumerate() {
+            self.by_id.entry(id.clone()).or_default().push(i as Slot);
+        }
+        self.departed_at = self
+            .departed
+            .order
+            .iter()
+            .map(|(at, id)| (id.clone(), *at))
             .collect();
     }
 
+    /// Records that `id` left at `now_ms` (sticky leave).
+    pub fn depart(&mut self, id: &WorkerId, now_ms: u64) {
+        self.readmit(id);
+        if self.departed.order.len() >= MAX_DEPARTED {
+            if let Some((_, oldest)) = self.departed.order.pop_front() {
+                self.departed_at.remove(&oldest);
+            }
+        }
+        self.departed.order.push_back((now_ms, id.clone()));
+        self.departed_at.insert(id.clone(), now_ms);
+    }
+
+    /// Forgets a departure (the id joined again).
+    pub fn readmit(&mut self, id: &WorkerId) {
+        if self.departed_at.remove(id).is_some() {
+            if let Some(i) = self.departed.position(id) {
+                self.departed.order.remove(i);
+            }
+        }
+    }
+
+    /// Whether `id` left less than `ttl_ms` before `now_ms` and has not joined since.
+    pub fn is_departed(&self, id: &WorkerId, now_ms: u64, ttl_ms: u64) -> bool {
+        self.departed_at
+            .get(id)
+            .is_some_and(|&at| now_ms.saturating_sub(at) < ttl_ms)
+    }
+
+    /// Forgets departures older than `ttl_ms` at `now_ms`.
+    pub fn expire_departed(&mut self, now_ms: u64, ttl_ms: u64) {
+        while let Some(&(at, _)) = self.departed.order.front() {
+            if now_ms.saturating_sub(at) < ttl_ms {
+                break;
+            }
+            let (_, id) = self.departed.order.pop_front().expect("front exists");
+            self.departed_at.remove(&id);
+        }
+    }
+
+    /// Number of remembered departures.
+    pub fn departed_len(&self) -> usize {
+        self.departed.order.len()
+    }
+
+    /// Records a load sample as the telemetry of `slot`'s rank.
     pub fn apply_load(&mut self, slot: Slot, sample: &LoadSample, now_ms: u64) {
         if let Some(w) = self.get_mut(slot) {
             w.telemetry = Some(Telemetry {
@@ -180,28 +356,57 @@ impl Workers {
                 waiting: sample.waiting,
                 received_ms: now_ms,
             });
-            if sample.model.is_some() {
-                w.model = sample.model.clone();
-            }
         }
     }
 
-    /// Checks and records a batch's `Kv-Seq` for (worker, dp rank).
-    pub fn check_seq(&mut self, slot: Slot, dp_rank: u32, seq: Option<u64>) -> SeqCheck {
-        let (Some(w), Some(seq)) = (self.get_mut(slot), seq) else {
-            return SeqCheck::Apply { gap: 0 };
+    /// Moves the rank of `slot` to `epoch` (a `join`): the current epoch is retired and the
+    /// sequence starts over.
+    pub fn enter_epoch(&mut self, slot: Slot, epoch: Option<String>) {
+        if let Some(w) = self.get_mut(slot) {
+            w.enter_epoch(epoch);
+        }
+    }
+
+    /// Checks a batch's `Kv-Epoch` and `Kv-Seq` against the rank of `slot` and records them.
+    ///
+    /// A batch with an epoch other than the rank's current one starts a new epoch (the engine
+    /// restarted), unless it is one of the rank's retired epochs (a late batch: stale); a rank
+    /// without an epoch adopts the first one it sees, and its sequence starts over. Within an
+    /// epoch a sequence at or below the last applied one is a duplicate, a jump beyond
+    /// [`MAX_SEQ_JUMP`] is rejected without advancing, and a skip is a gap. The first sequence
+    /// of an epoch is taken as it comes.
+    pub fn check_seq(&mut self, slot: Slot, epoch: Option<&str>, seq: Option<u64>) -> SeqCheck {
+        let Some(w) = self.get_mut(slot) else {
+            return SeqCheck::Apply {
+                gap: 0,
+                new_epoch: false,
+            };
         };
-        match w.last_seq.iter_mut().find(|(rank, _)| *rank == dp_rank) {
-            Some((_, last)) if seq <= *last => SeqCheck::Duplicate,
-            Some((_, last)) => {
-                let gap = seq - *last - 1;
-                *last = seq;
-                SeqCheck::Apply { gap }
-            }
-            None => {
-                w.last_seq.push((dp_rank, seq));
-                SeqCheck::Apply { gap: 0 }
+        let mut new_epoch = false;
+        if let Some(e) = epoch {
+            if w.epoch.as_deref() != Some(e) {
+                if w.retired_epochs.iter().any(|r| r == e) {
+                    return SeqCheck::StaleEpoch;
+                }
+                // The first epoch a rank hears of (after a join, or from a publisher that sent
+                // none before) is adopted; only a change from one epoch to another is a restart.
+                new_epoch = w.epoch.is_some();
+                w.enter_epoch(Some(e.to_owned()));
             }
         }
+        let gap = match (seq, w.last_seq) {
+            (None, _) => 0,
+            (Some(seq), None) => {
+                w.last_seq = Some(seq);
+                0
+            }
+            (Some(seq), Some(last)) if seq <= last => return SeqCheck::Duplicate,
+            (Some(seq), Some(last)) if seq - last > MAX_SEQ_JUMP => return SeqCheck::Jump { last },
+            (Some(seq), Some(last)) => {
+                w.last_seq = Some(seq);
+                seq - last - 1
+            }
+        };
+        SeqCheck::Apply { gap, new_epoch }
     }
 }

@@ -232,6 +232,16 @@ impl ApproxIndex {
         self.queue.retain(|&(.., s)| s != slot);
     }
 
+    /// Drops `slot`'s records of `keys` in `ns` (the worker said it no longer holds them).
+    pub fn forget_blocks(&mut self, ns: NsId, keys: impl IntoIterator<Item = u64>, slot: Slot) {
+        let Some(blocks) = self.blocks.get_mut(ns as usize) else {
+            return;
+        };
+        for key in keys {
+            blocks.remove_where(key, |s, _| s == slot);
+        }
+    }
+
     /// Like [`super::OwnerIndex::walk`], over records that are still fresh at `now_ms`.
     pub fn walk(
         &self,
@@ -352,6 +362,12 @@ mod tests {
             "a block left with one record packs it inline again"
         );
         index.record(0, &[1, 2], 8, 4_000);
+        index.forget_blocks(0, [2], 8);
+        assert!(
+            fresh_owners(&index, 2, 0).is_empty(),
+            "a forgotten block of a worker leaves no record"
+        );
+        index.record(0, &[2], 8, 4_000);
         index.forget_worker(9);
         assert_eq!(
             fresh_owners(&index, 1, 0),

@@ -6,7 +6,11 @@
 //! - [`ApproxIndex`]: *approximate* ownership, the router's own recent routing records, so a
 //!   trajectory's next turn finds its owner before that owner's KV events arrive.
 //!
-//! Both are keyed by (namespace, block key); a namespace is one (model, LoRA) pair.
+//! Both are keyed by (namespace, block key); a namespace is one (model, LoRA) pair. Ownership
+//! is held per worker rank: a [`Slot`] is one (worker, data-parallel rank).
+//!
+//! Blocks a worker reports on a lower tier (host memory, disk) live in [`LowerTiers`], two more
+//! [`OwnerIndex`]es that are never mixed with device ownership.
 
 mod approx;
 mod key_table;
@@ -20,7 +24,10 @@ pub use owners::{IndexStats, OwnerIndex};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-/// Dense id of a worker inside the router (its slot in the worker table).
+use crate::input::Medium;
+
+/// Dense id of a worker rank inside the router (its slot in the worker table): one per
+/// (worker, data-parallel rank).
 pub type Slot = u32;
 
 /// Dense id of a (model, LoRA) namespace.
@@ -78,5 +85,43 @@ impl Namespaces {
             .enumerate()
             .map(|(i, ns)| (ns.clone(), i as NsId))
             .collect();
+    }
+}
+
+/// Lower-tier ownership from KV events whose `medium` is not the device: blocks a worker rank
+/// keeps in host memory or on disk. Reloading them beats a prefill, so a policy may prefer
+/// such a rank, but they are never device ownership.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+pub struct LowerTiers {
+    pub host: OwnerIndex,
+    pub disk: OwnerIndex,
+}
+
+impl LowerTiers {
+    /// The index of a lower tier; `None` for the device tier.
+    pub fn tier_mut(&mut self, medium: Medium) -> Option<&mut OwnerIndex> {
+        match medium {
+            Medium::Gpu => None,
+            Medium::Host => Some(&mut self.host),
+            Medium::Disk => Some(&mut self.disk),
+        }
+    }
+
+    pub fn tier(&self, medium: Medium) -> Option<&OwnerIndex> {
+        match medium {
+            Medium::Gpu => None,
+            Medium::Host => Some(&self.host),
+            Medium::Disk => Some(&self.disk),
+        }
+    }
+
+    /// Drops every lower-tier block of a worker rank. Returns how many.
+    pub fn clear_worker(&mut self, slot: Slot) -> usize {
+        self.host.clear_worker(slot) + self.disk.clear_worker(slot)
+    }
+
+    pub fn move_namespace(&mut self, slot: Slot, from: NsId, to: NsId) {
+        self.host.move_namespace(slot, from, to);
+        self.disk.move_namespace(slot, from, to);
     }
 }

@@ -7,21 +7,28 @@ use crate::input::StoredBlock;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-/// One worker's blocks in one namespace: engine hash → block key. Removals name engine hashes,
-/// which are opaque, so this map is how a removal finds the key it drops.
-type EngineMap = FxHashMap<u64, u64>;
+/// One worker rank's blocks in one namespace: engine hash → block key. Removals name engine
+/// hashes, which are opaque, so this map is how a removal finds the key it drops.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+struct EngineMap {
+    keys: FxHashMap<u64, u64>,
+    /// Engine hashes stored more than once (two physical copies, or a publisher that reports
+    /// every store again): the stores beyond the first, each needing its own removal. Kept
+    /// apart so the common single store costs nothing extra.
+    extra_stores: FxHashMap<u64, u32>,
+}
 
-/// Content key → owners per namespace, plus each worker's engine-hash map.
+/// Content key → owners per namespace, plus each worker rank's engine-hash map.
 ///
 /// Invariant: `slot ∈ blocks[ns][key]` exactly as many times as `workers[slot]` maps an engine
 /// hash of `ns` to `key`.
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct OwnerIndex {
     /// Per namespace: block key → owner slots. A slot appears once per engine hash of that
-    /// worker mapping to the block, so a worker that stored the same content under two engine
+    /// worker rank mapping to the block, so a rank that stored the same content under two engine
     /// hashes keeps owning it until both are removed.
     blocks: Vec<OwnerMap>,
-    /// Per worker slot: its blocks per namespace.
+    /// Per worker-rank slot: its blocks per namespace.
     workers: Vec<Vec<(NsId, EngineMap)>>,
     /// Number of (block, owner) entries, i.e. the total length of all owner lists.
     entries: u64,
@@ -70,42 +77,56 @@ impl OwnerIndex {
         }
     }
 
-    /// Applies a `BlockStored` event: chains each block's local hash onto its parent's key and
-    /// records the worker as an owner. A parent the worker never reported starts a new chain.
-    /// Returns the key of the last block (where a continuation would chain on).
+    /// The block key `slot` stored under `engine_hash` in `ns`, if any.
+    pub fn key_of(&self, slot: Slot, ns: NsId, engine_hash: u64) -> Option<u64> {
+        self.workers
+            .get(slot as usize)?
+            .iter()
+            .find(|(n, _)| *n == ns)?
+            .1
+            .keys
+            .get(&engine_hash)
+            .copied()
+    }
+
+    /// Applies a `BlockStored` event whose parent block has key `parent_key` (None: the blocks
+    /// start a chain): chains each block's local hash onto its parent's key and records the
+    /// worker rank as an owner. An engine hash stored again under the same key counts one more
+    /// store, which needs one more removal. Returns the key of the last block (where a
+    /// continuation would chain on).
     pub fn store(
         &mut self,
         slot: Slot,
         ns: NsId,
-        parent: Option<u64>,
+        mut parent_key: Option<u64>,
         blocks: &[StoredBlock],
     ) -> Option<u64> {
-        let mut parent_key = parent.and_then(|p| self.worker_map(slot, ns).get(&p).copied());
         for block in blocks {
             let key = chain(parent_key, block.local);
-            match self.worker_map(slot, ns).insert(block.engine_hash, key) {
-                Some(old) if old == key => {} // a re-announcement: already owned
-                Some(old) => {
-                    self.remove_owner(ns, old, slot);
-                    self.add_owner(ns, key, slot);
-                }
-                None => self.add_owner(ns, key, slot),
-            }
+            self.store_keyed(slot, ns, block.engine_hash, key);
             parent_key = Some(key);
         }
         parent_key
     }
 
     /// Applies a `BlockRemoved` event. Unknown engine hashes are ignored (the block may predate
-    /// this router). Returns how many blocks were removed.
-    pub fn remove(&mut self, slot: Slot, engine_hashes: &[u64]) -> usize {
+    /// this router); a hash stored more than once loses one store. Returns the (namespace, key)
+    /// of every block whose ownership by `slot` ended.
+    pub fn remove(&mut self, slot: Slot, engine_hashes: &[u64]) -> Vec<(NsId, u64)> {
         let Some(maps) = self.workers.get_mut(slot as usize) else {
-            return 0;
+            return Vec::new();
         };
         let mut dropped = Vec::new();
         for hash in engine_hashes {
             for (ns, map) in maps.iter_mut() {
-                if let Some(key) = map.remove(hash) {
+                if let Some(extra) = map.extra_stores.get_mut(hash) {
+                    *extra -= 1;
+                    if *extra == 0 {
+                        map.extra_stores.remove(hash);
+                    }
+                    break;
+                }
+                if let Some(key) = map.keys.remove(hash) {
                     dropped.push((*ns, key));
                     break;
                 }
@@ -114,10 +135,11 @@ impl OwnerIndex {
         for &(ns, key) in &dropped {
             self.remove_owner(ns, key, slot);
         }
-        dropped.len()
+        dropped
     }
 
-    /// Drops every block of a worker (`AllBlocksCleared`, leave, age-out). Returns how many.
+    /// Drops every block of a worker rank (`AllBlocksCleared`, a new epoch, join, leave,
+    /// age-out). Returns how many.
     pub fn clear_worker(&mut self, slot: Slot) -> usize {
         let Some(maps) = self.workers.get_mut(slot as usize) else {
             return 0;
@@ -125,12 +147,56 @@ impl OwnerIndex {
         let maps = std::mem::take(maps);
         let mut count = 0;
         for (ns, map) in maps {
-            for key in map.into_values() {
+            for key in map.keys.into_values() {
                 self.remove_owner(ns, key, slot);
                 count += 1;
             }
         }
         count
+    }
+
+    /// Moves every block `slot` holds in namespace `from` to namespace `to` (keys do not depend
+    /// on the namespace). Returns how many blocks moved.
+    pub fn move_namespace(&mut self, slot: Slot, from: NsId, to: NsId) -> usize {
+        if from == to {
+            return 0;
+        }
+        let Some(maps) = self.workers.get_mut(slot as usize) else {
+            return 0;
+        };
+        let Some(i) = maps.iter().position(|(n, _)| *n == from) else {
+            return 0;
+        };
+        let (_, moved) = maps.swap_remove(i);
+        let count = moved.keys.len();
+        for (&hash, &key) in &moved.keys {
+            self.remove_owner(from, key, slot);
+            let stores = 1 + moved.extra_stores.get(&hash).copied().unwrap_or(0);
+            for _ in 0..stores {
+                self.store_keyed(slot, to, hash, key);
+            }
+        }
+        count
+    }
+
+    /// Records one store of `engine_hash` with a known `key`. The same hash stored again under
+    /// the same key counts one more store; under another key (the engine reused the hash for
+    /// other content) the new content replaces the old.
+    fn store_keyed(&mut self, slot: Slot, ns: NsId, engine_hash: u64, key: u64) {
+        let map = self.worker_map(slot, ns);
+        match map.keys.insert(engine_hash, key) {
+            Some(old) if old == key => {
+                *map.extra_stores.entry(engine_hash).or_insert(0) += 1;
+            }
+            Some(old) => {
+                map.extra_stores.remove(&engine_hash);
+                // Ends the old key's ownership; the router's records of it are not dropped, as
+                // the engine never said it evicted that content.
+                self.remove_owner(ns, old, slot);
+                self.add_owner(ns, key, slot);
+            }
+            None => self.add_owner(ns, key, slot),
+        }
     }
 
     /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
@@ -155,14 +221,14 @@ impl OwnerIndex {
             .get(slot as usize)
             .into_iter()
             .flatten()
-            .map(|(ns, map)| (*ns, map.len()))
+            .map(|(ns, map)| (*ns, map.keys.len()))
     }
 
     /// Every (slot, namespace, key) ownership, for tests and audits.
     pub fn ownerships(&self) -> impl Iterator<Item = (Slot, NsId, u64)> + '_ {
         self.workers.iter().enumerate().flat_map(|(slot, maps)| {
             maps.iter()
-                .flat_map(move |(ns, map)| map.values().map(move |&k| (slot as Slot, *ns, k)))
+                .flat_map(move |(ns, map)| map.keys.values().map(move |&k| (slot as Slot, *ns, k)))
         })
     }
 
@@ -197,7 +263,8 @@ mod tests {
             assert!(index.owns(0, key, 0), "event keys must equal prompt keys");
         }
         // A continuation names its parent by engine hash and extends the same chain.
-        let last = index.store(0, 0, Some(1003), &blocks(&[4]));
+        let parent = index.key_of(0, 0, 1003);
+        let last = index.store(0, 0, parent, &blocks(&[4]));
         assert_eq!(last, Some(chain_locals([1, 2, 3, 4])[3]));
         assert_eq!(
             index.stats(),
@@ -211,7 +278,7 @@ mod tests {
     #[test]
     fn unknown_parent_starts_a_new_chain() {
         let mut index = OwnerIndex::default();
-        let last = index.store(0, 0, Some(42), &blocks(&[7]));
+        let last = index.store(0, 0, index.key_of(0, 0, 42), &blocks(&[7]));
         assert_eq!(
             last,
             Some(7),
@@ -224,7 +291,7 @@ mod tests {
         let mut index = OwnerIndex::default();
         index.store(0, 0, None, &blocks(&[1, 2]));
         index.store(1, 0, None, &blocks(&[1, 2]));
-        assert_eq!(index.remove(0, &[1002]), 1);
+        assert_eq!(index.remove(0, &[1002]), vec![(0, chain_locals([1, 2])[1])]);
         let k = chain_locals([1, 2]);
         assert!(
             !index.owns(0, k[1], 0),
@@ -242,5 +309,40 @@ mod tests {
         assert_eq!(index.clear_worker(3), 3);
         assert_eq!(index.stats(), IndexStats::default());
         assert_eq!(index.ownerships().count(), 0);
+    }
+
+    #[test]
+    fn a_block_stored_twice_needs_two_removals() {
+        let mut index = OwnerIndex::default();
+        index.store(0, 0, None, &blocks(&[1]));
+        index.store(0, 0, None, &blocks(&[1]));
+        let key = chain_locals([1])[0];
+        assert!(
+            index.remove(0, &[1001]).is_empty(),
+            "the first removal of a twice-stored block ends no ownership"
+        );
+        assert!(index.owns(0, key, 0), "one store is still held");
+        assert_eq!(index.remove(0, &[1001]), vec![(0, key)]);
+        assert!(!index.owns(0, key, 0), "the second removal ends ownership");
+        assert_eq!(index.stats(), IndexStats::default());
+    }
+
+    #[test]
+    fn moving_a_namespace_keeps_keys_and_store_counts() {
+        let mut index = OwnerIndex::default();
+        index.store(0, 0, None, &blocks(&[1, 2]));
+        index.store(0, 0, None, &blocks(&[1]));
+        assert_eq!(index.move_namespace(0, 0, 5), 2);
+        let k = chain_locals([1, 2]);
+        assert!(
+            !index.owns(0, k[0], 0),
+            "nothing stays in the old namespace"
+        );
+        assert!(index.owns(5, k[0], 0) && index.owns(5, k[1], 0));
+        assert!(
+            index.remove(0, &[1001]).is_empty(),
+            "the second store moved with the block"
+        );
+        assert_eq!(index.remove(0, &[1001]), vec![(5, k[0])]);
     }
 }

@@ -158,13 +158,20 @@ impl Default for PolicyConfig {
 /// What the policy knows about one known worker for one request.
 #[derive(Debug, Clone)]
 pub struct WorkerView<'a> {
+    /// One candidate is one worker rank: a worker with several data-parallel ranks has a view
+    /// per rank, each with its own ownership, load and reserved work.
     pub slot: Slot,
     pub id: &'a WorkerId,
+    pub dp_rank: u32,
     /// A candidate: not draining, not excluded, serving the request's model.
     pub candidate: bool,
     /// Leading blocks of the request it holds consecutively (authoritative or fresh approximate,
     /// whichever is deeper).
     pub depth: u32,
+    /// Leading blocks of the request it holds consecutively in host memory, and on disk (each
+    /// lower tier on its own; never part of `depth`).
+    pub host_depth: u32,
+    pub disk_depth: u32,
     /// Pressure from fresh telemetry; `None` when missing or stale.
     pub pressure: Option<f64>,
     pub waiting: u32,

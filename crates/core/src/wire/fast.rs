@@ -197,11 +197,7 @@ impl<'a> Cursor<'a> {
             return Some(Medium::Gpu);
         }
         let s = self.str()?;
-        Some(if s.eq_ignore_ascii_case("GPU") {
-            Medium::Gpu
-        } else {
-            Medium::Other
-        })
+        Some(Medium::from_name(s))
     }
 }
 
@@ -314,6 +310,7 @@ fn stored(c: &mut Cursor<'_>, fields: usize, tokens: &mut Vec<u32>) -> Option<(K
         None => lora_id,
     };
     let event = KvEvent::Stored {
+        full_attention: true,
         parent,
         blocks,
         block_size,

@@ -53,6 +53,7 @@ pub fn decode_kv_batch(
         model: headers.model,
         dp_rank: headers.dp_rank.or(batch_dp_rank).unwrap_or(0),
         seq: headers.seq,
+        epoch: headers.epoch,
         events,
     })
 }
@@ -313,6 +314,7 @@ fn decode_stored(
     // so their evolving shapes never reject an otherwise good event.
 
     Ok(KvEvent::Stored {
+        full_attention: true,
         parent,
         blocks,
         block_size,
@@ -411,8 +413,7 @@ fn medium(v: Option<&ValueRef<'_>>, ctx: Ctx) -> Result<Medium, Rejection> {
     match present(v) {
         None => Ok(Medium::Gpu),
         Some(v) => match as_str(v) {
-            Some(m) if m.eq_ignore_ascii_case("GPU") => Ok(Medium::Gpu),
-            Some(_) => Ok(Medium::Other),
+            Some(m) => Ok(Medium::from_name(m)),
             None => Err(ctx.invalid("medium", "a string or nil", v)),
         },
     }

@@ -81,12 +81,41 @@ pub fn decode_lifecycle(payload: &[u8], worker: WorkerId) -> Result<Lifecycle, R
         })?,
     };
 
+    let dp_size = match present(map_get(entries, "dp_size")) {
+        None => None,
+        Some(v) => match v {
+            ValueRef::Integer(i) => i.as_u64().and_then(|n| u32::try_from(n).ok()),
+            _ => None,
+        }
+        .map(Some)
+        .ok_or_else(|| {
+            invalid(format!(
+                "dp_size: expected a non-negative integer fitting u32, got {}",
+                got(v)
+            ))
+        })?,
+    };
+    let epoch = match present(map_get(entries, "epoch")) {
+        None => None,
+        Some(v) => match as_str(v) {
+            Some(e) if !e.is_empty() && e.len() <= 64 => Some(e.to_owned()),
+            _ => {
+                return Err(invalid(format!(
+                    "epoch: expected a string of 1 to 64 characters, got {}",
+                    got(v)
+                )))
+            }
+        },
+    };
+
     Ok(Lifecycle {
         worker,
         op,
         model,
         block_size,
         capacity_blocks,
+        dp_size,
+        epoch,
     })
 }
 

@@ -67,6 +67,7 @@ pub fn decode_load(payload: &[u8], worker: WorkerId) -> Result<LoadSample, Rejec
         waiting,
         max_running,
         model,
+        dp_rank: 0,
     })
 }
 

@@ -42,6 +42,8 @@ pub struct KvHeaders {
     pub model: Option<String>,
     /// `Kv-Dp-Rank`: the data-parallel rank; wins over the batch's own field.
     pub dp_rank: Option<u32>,
+    /// `Kv-Epoch`: the publisher's incarnation.
+    pub epoch: Option<String>,
 }
 
 /// Parses the raw header values of a `kv.events.<worker>` message.
@@ -68,7 +70,22 @@ pub fn parse_kv_headers(
         seq,
         model,
         dp_rank,
+        epoch: None,
     })
+}
+
+/// Parses a `Kv-Epoch` header: 1 to 64 printable ASCII characters without spaces (after
+/// trimming), else [`RejectReason::InvalidHeader`].
+pub fn parse_kv_epoch(raw: &str) -> Result<String, Rejection> {
+    let s = raw.trim();
+    if s.is_empty() || s.len() > 64 || !s.bytes().all(|b| b.is_ascii_graphic()) {
+        let shown: String = raw.chars().take(70).collect();
+        return Err(Rejection::new(
+            RejectReason::InvalidHeader,
+            format!("Kv-Epoch: expected 1 to 64 printable characters, got {shown:?}"),
+        ));
+    }
+    Ok(s.to_owned())
 }
 
 /// Digits only: `str::parse` alone would also accept a leading `+`.

@@ -80,6 +80,7 @@ fn stored_parts(event: KvEvent) -> (Option<u64>, Vec<StoredBlock>, u32, Option<S
             block_size,
             lora,
             medium,
+            ..
         } => (parent, blocks, block_size, lora, medium),
         other => panic!("expected a Stored event, got {other:?}"),
     }
@@ -109,7 +110,8 @@ fn headers_parse_decimal_values_and_trim_whitespace() {
         KvHeaders {
             seq: Some(42),
             model: Some("llama".into()),
-            dp_rank: Some(3)
+            dp_rank: Some(3),
+            epoch: None,
         },
         "decimal headers parse to their values"
     );
@@ -668,12 +670,12 @@ fn medium_gpu_in_any_case_or_nil_is_gpu_and_other_strings_are_other() {
     assert_eq!(medium_of(json!(null)), Medium::Gpu, "nil means GPU");
     assert_eq!(
         medium_of(json!("CPU")),
-        Medium::Other,
+        Medium::Host,
         "CPU offload is another tier"
     );
     assert_eq!(
         medium_of(json!("DISK")),
-        Medium::Other,
+        Medium::Disk,
         "disk is another tier"
     );
     let absent = stored_parts(only_event(decode_ok(&batch_of(json!([
@@ -813,6 +815,7 @@ fn map_events_read_fields_by_name_and_ignore_unknown_keys() {
             block_size: 2,
             lora: Some("x".into()),
             medium: Medium::Gpu,
+            full_attention: true,
         },
         "key order does not matter and an absent parent is none"
     );
@@ -1104,10 +1107,11 @@ fn encoded_vllm_batch_round_trips_to_core_events() {
                 block_size: 3,
                 lora: Some("2".into()),
                 medium: Medium::Gpu,
+                full_attention: true,
             },
             KvEvent::Removed {
                 engine_hashes: vec![5],
-                medium: Medium::Other
+                medium: Medium::Host
             },
             KvEvent::Cleared,
         ],
@@ -1184,7 +1188,9 @@ fn read_fixture(file: &str) -> Vec<u8> {
 fn expected_event(e: &serde_json::Value) -> KvEvent {
     let medium = |m: &serde_json::Value| match m.as_str() {
         Some("gpu") => Medium::Gpu,
-        Some("other") => Medium::Other,
+        // The fixtures' non-GPU events are CPU offload: host memory.
+        Some("other") | Some("host") => Medium::Host,
+        Some("disk") => Medium::Disk,
         other => panic!("expected.json: unknown medium {other:?}"),
     };
     let u64s = |v: &serde_json::Value| -> Vec<u64> {
@@ -1209,6 +1215,7 @@ fn expected_event(e: &serde_json::Value) -> KvEvent {
             block_size: e["block_size"].as_u64().expect("block_size") as u32,
             lora: e["lora"].as_str().map(str::to_owned),
             medium: medium(&e["medium"]),
+            full_attention: true,
         },
         Some("removed") => KvEvent::Removed {
             engine_hashes: u64s(&e["engine_hashes"]),
@@ -1580,7 +1587,8 @@ fn arb_consistent_stored() -> impl Strategy<Value = (VllmEvent, KvEvent)> {
                     .collect(),
                 block_size: bs,
                 lora: lora_id.map(|id| id.to_string()),
-                medium: if gpu { Medium::Gpu } else { Medium::Other },
+                medium: if gpu { Medium::Gpu } else { Medium::Host },
+                full_attention: true,
             };
             let wire = VllmEvent::BlockStored {
                 block_hashes: hashes,
