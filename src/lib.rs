@@ -8,8 +8,11 @@
 //!
 //! - Core (re-exported): [`router`] the state machine, [`policy`] the policy step by step,
 //!   [`input`], [`index`], [`workers`], [`reservations`], [`hashing`], [`wire`].
-//! - [`daemon`]: `kvrouted serve` — starts everything, owns the writer that applies inputs in
-//!   journal order.
+//! - [`daemon`]: `kvrouted serve` — recovery, then starts the writer, the flusher, ingest and
+//!   the HTTP API.
+//! - [`writer`]: the single writer that journals and applies inputs in one order; acks after
+//!   the flush; snapshots. The typed API the HTTP handlers call.
+//! - [`status`]: readiness, written by recovery and ingest, read by `/readyz`.
 //! - [`ingest`]: NATS subscriptions and the JetStream consumer; decodes payloads into inputs.
 //! - [`http`]: the gateway API (routes, releases, workers, health, metrics).
 //! - [`journal`]: the sled journal and snapshots; export for audits.
@@ -28,3 +31,5 @@ pub mod journal;
 pub mod metrics;
 pub mod replay;
 pub mod sim;
+pub mod status;
+pub mod writer;

@@ -1,8 +1,6 @@
 //! `kvrouted serve`: the HTTP port (answering "recovering" meanwhile), recovery, then the writer,
 //! the flusher, NATS ingest and the HTTP API.
 
-pub mod writer;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,14 +9,15 @@ use anyhow::Context;
 
 use crate::config::ServeArgs;
 use crate::http::{self, AppState};
-use crate::ingest::{self, IngestSettings, Status};
+use crate::ingest::{self, IngestSettings};
 use crate::input::Input;
 use crate::journal::Journal;
 use crate::metrics;
 use crate::replay::replay;
 use crate::router::{Router, RouterConfig};
+use crate::status::Status;
+use crate::writer::{self, apply_journaled, Clock, PendingAcks, WriterSettings};
 use metrics_exporter_prometheus::PrometheusHandle;
-use writer::{apply_journaled, Clock, PendingAcks, WriterSettings};
 
 /// What recovery hands to the running daemon.
 struct Recovered {

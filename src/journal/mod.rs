@@ -381,4 +381,4 @@ impl Journal {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
