@@ -58,9 +58,7 @@ use kvrouted::wire::{encode_load, encode_vllm_batch, VllmEvent};
 use serde::Deserialize;
 use tempfile::TempDir;
 
-#[path = "support/local_processes.rs"]
-mod local_processes;
-use local_processes::{free_port, nats_server_bin, wait_for_port};
+use kvrouted_testkit::{free_port, nats_server_bin, wait_for_port};
 
 const BLOCK: usize = 16;
 const BATCH_BLOCKS: usize = 32;

@@ -28,15 +28,40 @@ const BLOCK_SIZE: u32 = 16;
 /// One step of a random run: an input, or time passing.
 #[derive(Debug, Clone)]
 enum Step {
-    Store { worker: u8, chain: u64, blocks: u64 },
-    Remove { worker: u8, chain: u64, from: u64 },
-    Clear { worker: u8 },
-    Load { worker: u8, kv_usage: f64, waiting: u32 },
-    Lifecycle { worker: u8, op: LifecycleOp },
-    Route { chain: u64, blocks: u64, exclude: u8 },
-    Release { back: u64 },
+    Store {
+        worker: u8,
+        chain: u64,
+        blocks: u64,
+    },
+    Remove {
+        worker: u8,
+        chain: u64,
+        from: u64,
+    },
+    Clear {
+        worker: u8,
+    },
+    Load {
+        worker: u8,
+        kv_usage: f64,
+        waiting: u32,
+    },
+    Lifecycle {
+        worker: u8,
+        op: LifecycleOp,
+    },
+    Route {
+        chain: u64,
+        blocks: u64,
+        exclude: u8,
+    },
+    Release {
+        back: u64,
+    },
     Tick,
-    Advance { ms: u64 },
+    Advance {
+        ms: u64,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {
