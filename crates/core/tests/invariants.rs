@@ -215,7 +215,7 @@ fn candidates(router: &Router, now: u64, exclude: &[WorkerId]) -> Vec<WorkerId> 
 }
 
 /// The owners of the request's longest match: candidates at the deepest depth, if it counts.
-fn owners<'a>(rows: &'a [ExplainRow], min_match_blocks: u32) -> Vec<&'a ExplainRow> {
+fn owners(rows: &[ExplainRow], min_match_blocks: u32) -> Vec<&ExplainRow> {
     let deepest = rows
         .iter()
         .filter(|r| r.candidate)
