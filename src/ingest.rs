@@ -11,7 +11,7 @@ use async_nats::HeaderMap;
 use futures::StreamExt;
 
 use crate::input::{Input, RejectReason, Rejection, WorkerId};
-use crate::metrics::reject;
+use crate::prom::reject;
 use crate::status::Status;
 use crate::wire;
 use crate::writer::{Ack, AckFuture, Acknowledge, WriterHandle};
@@ -202,8 +202,8 @@ async fn run_jetstream(
                 let msg = msg.map_err(|e| format!("message stream: {e}"))?;
                 if let Ok(info) = msg.info() {
                     let lag = (time::OffsetDateTime::now_utc() - info.published).as_seconds_f64();
-                    ::metrics::gauge!("kvrouted_ingest_lag_seconds").set(lag.max(0.0));
-                    ::metrics::gauge!("kvrouted_ingest_pending_messages").set(info.pending as f64);
+                    metrics::gauge!("kvrouted_ingest_lag_seconds").set(lag.max(0.0));
+                    metrics::gauge!("kvrouted_ingest_pending_messages").set(info.pending as f64);
                     if info.pending == 0 {
                         status.caught_up.store(true, Ordering::Release);
                     }

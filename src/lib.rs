@@ -18,7 +18,7 @@
 //! - [`journal`]: the sled journal and snapshots; export for audits.
 //! - [`replay`]: re-applies a journal through the core (audit and counterfactuals).
 //! - [`sim`]: the simulator, driving the same core with simulated workers.
-//! - [`metrics`]: Prometheus metric names and recording.
+//! - [`prom`]: Prometheus metric names and recording, the rate-limited rejection log.
 //! - [`config`]: command-line and file configuration.
 
 pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wire, workers};
@@ -28,7 +28,7 @@ pub mod daemon;
 pub mod http;
 pub mod ingest;
 pub mod journal;
-pub mod metrics;
+pub mod prom;
 pub mod replay;
 pub mod sim;
 pub mod status;

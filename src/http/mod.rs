@@ -21,7 +21,7 @@ use serde_json::json;
 
 use crate::hashing;
 use crate::input::{RejectReason, Rejection, RouteRequest, WorkerId};
-use crate::metrics::reject;
+use crate::prom::reject;
 use crate::status::Status;
 use crate::writer::{RouteError, WriterGone, WriterHandle};
 
@@ -276,8 +276,7 @@ async fn route(
         Ok(reply(&headers, StatusCode::OK, &decision))
     }
     .await;
-    ::metrics::histogram!("kvrouted_route_duration_seconds")
-        .record(started.elapsed().as_secs_f64());
+    metrics::histogram!("kvrouted_route_duration_seconds").record(started.elapsed().as_secs_f64());
     response
 }
 

@@ -133,7 +133,7 @@ pub async fn flush_and_ack(journal: &impl Durable, pending: &PendingAcks) {
     // Acks of rejected messages can wait on entries that an earlier flush already covered.
     if upto > pending.flushed.load(Ordering::Acquire) {
         if let Err(e) = journal.flush().await {
-            ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
+            metrics::counter!("kvrouted_journal_errors_total").increment(1);
             tracing::error!(
                 "journal flush failed (messages stay unacked and will be redelivered): {e}"
             );

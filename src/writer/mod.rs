@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::input::{Input, RouteRequest, Stamped};
 use crate::journal::{Journal, JournalEntry, RouteOutcome};
-use crate::metrics;
+use crate::prom;
 use crate::router::{Decision, Output, Router, WorkerRow};
 pub use acks::{flush_and_ack, run_flusher, Ack, AckFuture, Acknowledge, PendingAcks};
 use snapshotter::{take_snapshot, Snapshotter};
@@ -221,17 +221,17 @@ pub fn apply_journaled(
     };
     let journaled = match journal.append(seq, &entry) {
         Ok(bytes) => {
-            ::metrics::counter!("kvrouted_journal_bytes_total").increment(bytes as u64);
-            ::metrics::counter!("kvrouted_journal_entries_total").increment(1);
+            metrics::counter!("kvrouted_journal_bytes_total").increment(bytes as u64);
+            metrics::counter!("kvrouted_journal_entries_total").increment(1);
             true
         }
         Err(e) => {
-            ::metrics::counter!("kvrouted_journal_errors_total").increment(1);
+            metrics::counter!("kvrouted_journal_errors_total").increment(1);
             tracing::error!(seq, "journal append failed: {e}");
             false
         }
     };
-    metrics::record_output(&output, source);
+    prom::record_output(&output, source);
     Applied {
         seq,
         output,

@@ -35,7 +35,7 @@ impl WriterSettings {
 pub fn take_snapshot(router: &Router, clock: &mut Clock) -> Snapshot {
     let started = Instant::now();
     let snapshot = Snapshot::of(router, clock.now());
-    ::metrics::gauge!("kvrouted_snapshot_copy_seconds").set(started.elapsed().as_secs_f64());
+    metrics::gauge!("kvrouted_snapshot_copy_seconds").set(started.elapsed().as_secs_f64());
     snapshot
 }
 
@@ -132,9 +132,9 @@ fn write_snapshot(journal: &Journal, snapshot: &Snapshot, retention: &Retention)
                     tracing::error!("journal retention failed: {e}");
                     0
                 });
-            ::metrics::gauge!("kvrouted_snapshot_seconds").set(started.elapsed().as_secs_f64());
+            metrics::gauge!("kvrouted_snapshot_seconds").set(started.elapsed().as_secs_f64());
             if let Ok(bytes) = journal.journal_bytes() {
-                ::metrics::gauge!("kvrouted_journal_size_bytes").set(bytes as f64);
+                metrics::gauge!("kvrouted_journal_size_bytes").set(bytes as f64);
             }
             tracing::info!(
                 seq = snapshot.seq,
