@@ -323,6 +323,12 @@ fn run_checked(config: &RouterConfig, journal: &[Stamped]) -> (Router, Vec<Outpu
     (router, outputs)
 }
 
+/// A random journal and owner ceiling.
+fn run() -> impl Strategy<Value = (Vec<Stamped>, usize)> {
+    (prop::collection::vec(step(), 1..160), 1..5usize)
+        .prop_map(|(steps, max_owners)| (journal(&steps), max_owners))
+}
+
 fn encoded_state(router: &Router) -> Vec<u8> {
     rmp_serde::to_vec(router.state()).expect("the state serializes")
 }
@@ -332,21 +338,15 @@ proptest! {
 
     #[test]
     fn every_policy_answers_a_candidate_and_pressure_first_keeps_usable_owners(
-        steps in prop::collection::vec(step(), 1..160),
-        max_owners in 1..5usize,
+        (journal, max_owners) in run(),
     ) {
-        let journal = journal(&steps);
         for kind in PolicyKind::ALL {
             run_checked(&config(kind, max_owners), &journal);
         }
     }
 
     #[test]
-    fn decisions_are_a_pure_function_of_the_journal(
-        steps in prop::collection::vec(step(), 1..160),
-        max_owners in 1..5usize,
-    ) {
-        let journal = journal(&steps);
+    fn decisions_are_a_pure_function_of_the_journal((journal, max_owners) in run()) {
         for kind in PolicyKind::ALL {
             let config = config(kind, max_owners);
             let (first, first_outputs) = run_checked(&config, &journal);
