@@ -63,15 +63,20 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// The command line, with the routing defaults shown from the core's configuration.
+fn command() -> clap::Command {
+    kvrouted::config::with_router_defaults(Cli::command())
+}
+
 /// Parses the command line, merging `serve --config FILE` under flags and environment.
 fn parse() -> anyhow::Result<Cli> {
     let mut argv: Vec<OsString> = std::env::args_os().collect();
-    let matches = Cli::command().get_matches_from(argv.clone());
+    let matches = command().get_matches_from(argv.clone());
     if let Some(("serve", serve)) = matches.subcommand() {
         if let Some(path) = serve.get_one::<PathBuf>("config") {
             merge_config_file(&mut argv, serve, path)?;
             // Flags and environment were valid above, so an error here comes from the file.
-            let matches = Cli::command()
+            let matches = command()
                 .try_get_matches_from(argv)
                 .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), clap_error_line(&e)))?;
             return Ok(Cli::from_arg_matches(&matches)?);
