@@ -11,11 +11,10 @@ use kvrouted::input::{
 };
 use kvrouted::router::{Router, RouterConfig};
 
-#[path = "support/counting_alloc.rs"]
-mod counting_alloc;
+use kvrouted_testkit::counting_alloc::{self, Counting};
 
 #[global_allocator]
-static GLOBAL: counting_alloc::Counting = counting_alloc::Counting;
+static GLOBAL: Counting = Counting;
 
 const BLOCK: u32 = 16;
 const BATCH_BLOCKS: u64 = 32;

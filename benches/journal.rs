@@ -1,7 +1,7 @@
 //! Journal and recovery measurements (issue 4, DESIGN.md §8), in one run:
 //!
 //! 1. **Sustained journaled ingest**: typical 32-block `BlockStored` batches from 32 workers go
-//!    through the daemon's own write path (`daemon::writer::apply_journaled`: stamp, apply,
+//!    through the daemon's own write path (`writer::apply_journaled`: stamp, apply,
 //!    append to sled) while a flusher thread group-commits every 10 ms, as `serve` does, until the
 //!    index holds 1M blocks. Reported as events (batches) per second and blocks per second, next
 //!    to the same inputs applied without a journal.
@@ -21,7 +21,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrouted::daemon::writer::{apply_journaled, Clock};
 use kvrouted::hashing::chain_locals;
 use kvrouted::input::{
     Input, KvEvent, KvEventBatch, LoadSample, Medium, RouteRequest, Stamped, StoredBlock, WorkerId,
@@ -29,6 +28,7 @@ use kvrouted::input::{
 use kvrouted::journal::{Journal, Snapshot};
 use kvrouted::replay::replay;
 use kvrouted::router::{Router, RouterConfig};
+use kvrouted::writer::{apply_journaled, Clock};
 use serde_json::json;
 
 const WORKERS: usize = 32;

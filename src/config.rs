@@ -51,14 +51,14 @@ fn parse_model_block_size(s: &str) -> Result<(String, u32), String> {
 }
 
 /// Routing settings, shared by `serve` (defaults as shown) and `replay` (where a flag given
-/// overrides the recorded setting: a counterfactual).
+/// overrides the recorded setting: a counterfactual). The defaults are `RouterConfig::default()`;
+/// [`with_router_defaults`] shows them in the help, so they are written once, in the core.
 #[derive(Debug, Clone, Default, Args)]
 pub struct PolicyArgs {
     /// Routing policy: pressure_first, or a baseline (legacy, round_robin, p2c, longest_prefix)
-    /// [default: pressure_first]
     #[arg(long, env = "KVROUTED_POLICY")]
     pub policy: Option<PolicyKind>,
-    /// Tokens per KV block; events with another block size are rejected [default: 16]
+    /// Tokens per KV block; events with another block size are rejected
     #[arg(long, env = "KVROUTED_BLOCK_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: Option<u32>,
     /// A model's block size, fixed: NAME=SIZE (repeatable, or comma-separated). Other models use
@@ -70,39 +70,81 @@ pub struct PolicyArgs {
         value_delimiter = ','
     )]
     pub model_block_size: Vec<(String, u32)>,
-    /// Known owners of a prefix at which the router stops creating new ones [default: 4]
+    /// Known owners of a prefix at which the router stops creating new ones
     #[arg(long, env = "KVROUTED_MAX_OWNERS_PER_PREFIX", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_owners_per_prefix: Option<u64>,
-    /// After a pressure spill for a prefix, no other owner is created for it this long [default: 5s]
+    /// After a pressure spill for a prefix, no other owner is created for it this long
     #[arg(long, env = "KVROUTED_SPILL_COOLDOWN", value_parser = parse_duration)]
     pub spill_cooldown: Option<Duration>,
-    /// Pressure (0..1) above which a worker is never a safe home [default: 0.90]
+    /// Pressure (0..1) above which a worker is never a safe home
     #[arg(long, env = "KVROUTED_PRESSURE_HIGH_WATER", value_parser = parse_fraction)]
     pub pressure_high_water: Option<f64>,
-    /// An owner more than this above the best owner's pressure is pressured [default: 0.10]
+    /// An owner more than this above the best owner's pressure is pressured
     #[arg(long, env = "KVROUTED_PRESSURE_SLACK", value_parser = parse_fraction)]
     pub pressure_slack: Option<f64>,
-    /// Load samples older than this are stale: they fail open to known owners [default: 30s]
+    /// Load samples older than this are stale: they fail open to known owners
     #[arg(long, env = "KVROUTED_TELEMETRY_MAX_AGE", value_parser = parse_duration)]
     pub telemetry_max_age: Option<Duration>,
-    /// Matches shorter than this many blocks are cold misses [default: 1]
+    /// Matches shorter than this many blocks are cold misses
     #[arg(long, env = "KVROUTED_MIN_MATCH_BLOCKS")]
     pub min_match_blocks: Option<u32>,
-    /// How long the router's own routing records count as ownership [default: 120s]
+    /// How long the router's own routing records count as ownership
     #[arg(long, env = "KVROUTED_APPROX_TTL", value_parser = parse_duration)]
     pub approx_ttl: Option<Duration>,
-    /// Bound on routing records (one per routed block) [default: 4000000]
+    /// Bound on routing records (one per routed block)
     #[arg(long, env = "KVROUTED_APPROX_MAX_RECORDS")]
     pub approx_max_records: Option<usize>,
-    /// Reservations not released by then expire [default: 600s]
+    /// Reservations not released by then expire
     #[arg(long, env = "KVROUTED_RESERVATION_TTL", value_parser = parse_duration)]
     pub reservation_ttl: Option<Duration>,
-    /// Output tokens assumed for reserved work when a request gives no smaller maximum [default: 4096]
+    /// Output tokens assumed for reserved work when a request gives no smaller maximum
     #[arg(long, env = "KVROUTED_OUTPUT_ESTIMATE")]
     pub output_estimate: Option<u64>,
-    /// A worker silent this long is removed like a leave [default: 60s]
+    /// A worker silent this long is removed like a leave
     #[arg(long, env = "KVROUTED_WORKER_TTL", value_parser = parse_duration)]
     pub worker_ttl: Option<Duration>,
+}
+
+/// Appends `[default: X]` to the help of each routing flag of `serve` and `replay`, from
+/// `RouterConfig::default()`.
+pub fn with_router_defaults(cli: clap::Command) -> clap::Command {
+    let config = RouterConfig::default();
+    let policy = &config.policy;
+    let duration = |ms: u64| {
+        if ms % 1000 == 0 {
+            format!("{}s", ms / 1000)
+        } else {
+            format!("{ms}ms")
+        }
+    };
+    let defaults = [
+        ("policy", policy.kind.to_string()),
+        ("block_size", config.block_size.to_string()),
+        (
+            "max_owners_per_prefix",
+            policy.max_owners_per_prefix.to_string(),
+        ),
+        ("spill_cooldown", duration(policy.spill_cooldown_ms)),
+        ("pressure_high_water", format!("{:.2}", policy.high_water)),
+        ("pressure_slack", format!("{:.2}", policy.pressure_slack)),
+        ("telemetry_max_age", duration(policy.telemetry_max_age_ms)),
+        ("min_match_blocks", policy.min_match_blocks.to_string()),
+        ("approx_ttl", duration(config.approx_ttl_ms)),
+        ("approx_max_records", config.approx_max_records.to_string()),
+        ("reservation_ttl", duration(config.reservation_ttl_ms)),
+        ("output_estimate", config.output_estimate.to_string()),
+        ("worker_ttl", duration(config.worker_ttl_ms)),
+    ];
+    let show = |command: clap::Command| {
+        defaults.iter().fold(command, |command, (id, value)| {
+            command.mut_arg(*id, |arg| {
+                let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+                arg.help(format!("{help} [default: {value}]"))
+            })
+        })
+    };
+    cli.mut_subcommand("serve", show)
+        .mut_subcommand("replay", show)
 }
 
 impl PolicyArgs {

@@ -2,7 +2,7 @@
 //! consumer (or core NATS with `--no-jetstream`), load samples from core NATS. Each message is
 //! decoded here, outside the single writer, and handed over as a finished input.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,23 +10,11 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use async_nats::HeaderMap;
 use futures::StreamExt;
 
-use crate::daemon::writer::{Ack, WriterHandle};
 use crate::input::{Input, RejectReason, Rejection, WorkerId};
-use crate::metrics::reject;
+use crate::prom::reject;
+use crate::status::Status;
 use crate::wire;
-
-/// What the daemon reports on `/readyz`.
-#[derive(Debug, Default)]
-pub struct Status {
-    /// Snapshot loaded and journal replayed.
-    pub recovered: AtomicBool,
-    /// The JetStream backlog present at start has been consumed.
-    pub caught_up: AtomicBool,
-    /// Core-NATS subscriptions the server has confirmed, and how many ingest needs.
-    pub core_subscribed: AtomicUsize,
-    pub core_expected: AtomicUsize,
-    pub nats_connected: AtomicBool,
-}
+use crate::writer::{Ack, AckFuture, Acknowledge, WriterHandle};
 
 pub struct IngestSettings {
     pub subject_prefix: String,
@@ -220,14 +208,17 @@ async fn run_jetstream(
                 let msg = msg.map_err(|e| format!("message stream: {e}"))?;
                 if let Ok(info) = msg.info() {
                     let lag = (time::OffsetDateTime::now_utc() - info.published).as_seconds_f64();
-                    ::metrics::gauge!("kvrouted_ingest_lag_seconds").set(lag.max(0.0));
-                    ::metrics::gauge!("kvrouted_ingest_pending_messages").set(info.pending as f64);
+                    metrics::gauge!("kvrouted_ingest_lag_seconds").set(lag.max(0.0));
+                    metrics::gauge!("kvrouted_ingest_pending_messages").set(info.pending as f64);
                     if info.pending == 0 {
                         status.caught_up.store(true, Ordering::Release);
                     }
                 }
                 let (msg, acker) = msg.split();
-                let ack = Ack { acker, cumulative };
+                let ack = Ack {
+                    acker: Box::new(JetStreamAck(acker)),
+                    cumulative,
+                };
                 match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
                     Ok(input) => {
                         if writer.submit(input, "jetstream", Some(ack)).await.is_err() {
@@ -255,6 +246,15 @@ async fn run_jetstream(
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
+    }
+}
+
+/// A JetStream message's acknowledgement, as the writer acks it after the journal flush.
+struct JetStreamAck(jetstream::message::Acker);
+
+impl Acknowledge for JetStreamAck {
+    fn ack(&self) -> AckFuture<'_> {
+        Box::pin(async move { self.0.ack().await.map_err(|e| e.to_string()) })
     }
 }
 

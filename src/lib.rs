@@ -8,14 +8,17 @@
 //!
 //! - Core (re-exported): [`router`] the state machine, [`policy`] the policy step by step,
 //!   [`input`], [`index`], [`workers`], [`reservations`], [`hashing`], [`wire`].
-//! - [`daemon`]: `kvrouted serve` — starts everything, owns the writer that applies inputs in
-//!   journal order.
+//! - [`daemon`]: `kvrouted serve` — recovery, then starts the writer, the flusher, ingest and
+//!   the HTTP API.
+//! - [`writer`]: the single writer that journals and applies inputs in one order; acks after
+//!   the flush; snapshots. The typed API the HTTP handlers call.
+//! - [`status`]: readiness, written by recovery and ingest, read by `/readyz`.
 //! - [`ingest`]: NATS subscriptions and the JetStream consumer; decodes payloads into inputs.
 //! - [`http`]: the gateway API (routes, releases, workers, health, metrics).
 //! - [`journal`]: the sled journal and snapshots; export for audits.
 //! - [`replay`]: re-applies a journal through the core (audit and counterfactuals).
 //! - [`sim`]: the simulator, driving the same core with simulated workers.
-//! - [`metrics`]: Prometheus metric names and recording.
+//! - [`prom`]: Prometheus metric names and recording, the rate-limited rejection log.
 //! - [`config`]: command-line and file configuration.
 
 pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wire, workers};
@@ -25,6 +28,8 @@ pub mod daemon;
 pub mod http;
 pub mod ingest;
 pub mod journal;
-pub mod metrics;
+pub mod prom;
 pub mod replay;
 pub mod sim;
+pub mod status;
+pub mod writer;

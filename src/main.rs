@@ -1,18 +1,15 @@
 //! `kvrouted`: one binary, several subcommands (DESIGN.md §13).
 
 use std::ffi::OsString;
-use std::fs::File;
-use std::io::{BufWriter, IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use kvrouted::config::{clap_error_line, merge_config_file, LogFormat, PolicyArgs, ServeArgs};
+use kvrouted::config::{clap_error_line, merge_config_file, LogFormat, ServeArgs};
 use kvrouted::journal::{self, Journal};
-use kvrouted::replay::replay;
-use kvrouted::router::Output;
 
 /// mimalloc instead of the system allocator: glibc's malloc and free were about a fifth of the
 /// daemon's CPU under ingest (per-thread free lists and page reuse are what mimalloc does well).
@@ -33,31 +30,12 @@ enum Command {
     /// Run the daemon: ingest KV events and load from NATS, answer routes over HTTP.
     Serve(ServeArgs),
     /// Re-apply a journal through the core: audit (--verify) or counterfactual (policy flags).
-    Replay(ReplayArgs),
+    Replay(kvrouted::replay::ReplayArgs),
     /// Journal tools.
     #[command(subcommand)]
     Journal(JournalCommand),
     /// Replay a trace against simulated workers and compare policies.
     Simulate(kvrouted::sim::SimulateArgs),
-}
-
-#[derive(Debug, Args)]
-struct ReplayArgs {
-    /// Data dir of a stopped daemon
-    #[arg(long, conflicts_with = "journal", required_unless_present = "journal")]
-    data_dir: Option<PathBuf>,
-    /// A file written by `kvrouted journal export`
-    #[arg(long)]
-    journal: Option<PathBuf>,
-    /// Exit non-zero, naming the first divergent decision, if any re-derived decision differs
-    #[arg(long)]
-    verify: bool,
-    /// Write every re-derived decision as JSON lines
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Any policy flag given here overrides the recorded setting (a counterfactual)
-    #[command(flatten)]
-    policy: PolicyArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -85,15 +63,20 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// The command line, with the routing defaults shown from the core's configuration.
+fn command() -> clap::Command {
+    kvrouted::config::with_router_defaults(Cli::command())
+}
+
 /// Parses the command line, merging `serve --config FILE` under flags and environment.
 fn parse() -> anyhow::Result<Cli> {
     let mut argv: Vec<OsString> = std::env::args_os().collect();
-    let matches = Cli::command().get_matches_from(argv.clone());
+    let matches = command().get_matches_from(argv.clone());
     if let Some(("serve", serve)) = matches.subcommand() {
         if let Some(path) = serve.get_one::<PathBuf>("config") {
             merge_config_file(&mut argv, serve, path)?;
             // Flags and environment were valid above, so an error here comes from the file.
-            let matches = Cli::command()
+            let matches = command()
                 .try_get_matches_from(argv)
                 .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), clap_error_line(&e)))?;
             return Ok(Cli::from_arg_matches(&matches)?);
@@ -120,7 +103,7 @@ fn main() -> ExitCode {
                 .and_then(|rt| rt.block_on(kvrouted::daemon::serve(args)))
                 .map(|()| ExitCode::SUCCESS)
         }
-        Command::Replay(args) => run_replay(&args),
+        Command::Replay(args) => kvrouted::replay::run(&args),
         Command::Journal(JournalCommand::Export { data_dir, out }) => (|| {
             let journal = Journal::open_existing(&data_dir)?;
             let n = journal::write_export(&journal, &out)?;
@@ -140,84 +123,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn run_replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
-    let (snapshot, entries): (_, Box<dyn Iterator<Item = _>>) =
-        match (&args.data_dir, &args.journal) {
-            (Some(dir), _) => {
-                let journal = Journal::open_existing(dir)?;
-                let (snapshot, after) = journal::replay_start(&journal)?;
-                // Streamed: a journal can be far larger than memory.
-                (snapshot, Box::new(journal.entries_after(after)))
-            }
-            (None, Some(file)) => {
-                let (snapshot, reader) = journal::read_export(file)?;
-                (snapshot, Box::new(reader))
-            }
-            (None, None) => unreachable!("clap requires one source"),
-        };
-    let mut out = match &args.out {
-        Some(path) => {
-            Some(BufWriter::new(File::create(path).with_context(|| {
-                format!("cannot write {}", path.display())
-            })?))
-        }
-        None => None,
-    };
-    let changes = std::cell::RefCell::new(Vec::new());
-    let adjust = |config: &mut kvrouted::router::RouterConfig| {
-        let applied = args.policy.apply(config);
-        changes.borrow_mut().extend(applied);
-    };
-    let mut write_error = None;
-    let (_, stats) = replay(snapshot, entries, &adjust, |seq, entry, output| {
-        let Some(out) = out.as_mut() else { return };
-        let line = match output {
-            Output::Routed(d) => serde_json::json!({
-                "seq": seq, "at_ms": entry.at_ms, "request_id": d.request_id,
-                "worker": d.worker, "decision": d.decision, "matched_blocks": d.matched_blocks,
-                "prompt_blocks": d.prompt_blocks, "owners": d.owners, "recorded": entry.outcome.as_ref().map(|o| o.to_string()),
-            }),
-            Output::NoCandidate => serde_json::json!({
-                "seq": seq, "at_ms": entry.at_ms, "worker": null, "decision": "no_candidate",
-                "recorded": entry.outcome.as_ref().map(|o| o.to_string()),
-            }),
-            _ => return,
-        };
-        if let Err(e) = writeln!(out, "{line}") {
-            write_error.get_or_insert(e);
-        }
-    })?;
-    if let Some(e) = write_error {
-        return Err(e).context("writing --out");
-    }
-    if let Some(mut out) = out {
-        out.flush()?;
-    }
-    let mut changes = changes.into_inner();
-    changes.sort();
-    changes.dedup();
-    for change in &changes {
-        eprintln!("counterfactual: {change}");
-    }
-    let pct = if stats.decisions > 0 {
-        100.0 * stats.changed as f64 / stats.decisions as f64
-    } else {
-        0.0
-    };
-    println!(
-        "replayed {} entries: {} decisions, {} changed ({pct:.2}%)",
-        stats.entries, stats.decisions, stats.changed
-    );
-    if let Some(d) = &stats.first_divergence {
-        println!(
-            "first divergence at seq {}: recorded {}, replayed {}",
-            d.seq, d.recorded, d.replayed
-        );
-        if args.verify {
-            return Ok(ExitCode::FAILURE);
-        }
-    }
-    Ok(ExitCode::SUCCESS)
 }

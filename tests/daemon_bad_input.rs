@@ -26,15 +26,8 @@ async fn setup() -> Setup {
     let nats = Nats::start();
     let daemon = Daemon::start(&nats.url(), LIMITS).await;
     daemon.wait_ready().await;
-    let mut owner = Worker::connect(&nats.url(), "owner").await;
-    let other = Worker::connect(&nats.url(), "other").await;
-    let tokens = prompt(1, 8);
-    owner.store(&tokens).await;
-    owner.load(0.4).await;
-    other.load(0.2).await;
-    daemon.wait_blocks("owner", 8).await;
-    daemon.wait_load("owner", 0.4).await;
-    daemon.wait_load("other", 0.2).await;
+    let OwnerAndOther { owner, tokens, .. } =
+        OwnerAndOther::publish(&daemon, &nats.url(), 0.4, 0.2).await;
     Setup {
         daemon,
         owner,

@@ -12,15 +12,11 @@ async fn routes_are_served_through_a_broker_restart_and_ingest_resumes_after_it(
     let mut nats = Nats::start();
     let daemon = Daemon::start(&nats.url(), &[]).await;
     daemon.wait_ready().await;
-    let mut owner = Worker::connect(&nats.url(), "owner").await;
-    let other = Worker::connect(&nats.url(), "other").await;
-    let first = prompt(1, 8);
-    owner.store(&first).await;
-    owner.load(0.4).await;
-    other.load(0.2).await;
-    daemon.wait_blocks("owner", 8).await;
-    daemon.wait_load("owner", 0.4).await;
-    daemon.wait_load("other", 0.2).await;
+    let OwnerAndOther {
+        mut owner,
+        other,
+        tokens: first,
+    } = OwnerAndOther::publish(&daemon, &nats.url(), 0.4, 0.2).await;
 
     nats.stop();
     let (status, ready) = daemon.wait_readyz("degraded").await;

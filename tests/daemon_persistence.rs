@@ -28,6 +28,22 @@ where
     (status.success(), status.code(), stdout, stderr)
 }
 
+/// `kvrouted replay --verify` of a data dir (`source` `--data-dir`) or an export (`--journal`),
+/// writing the decisions to `out` if given; returns (success, stdout, stderr).
+fn replay_verify(source: &str, path: &Path, out: Option<&Path>) -> (bool, String, String) {
+    let mut args: Vec<&std::ffi::OsStr> = vec![
+        "replay".as_ref(),
+        source.as_ref(),
+        path.as_os_str(),
+        "--verify".as_ref(),
+    ];
+    if let Some(out) = out {
+        args.extend(["--out".as_ref(), out.as_os_str()]);
+    }
+    let (ok, _, stdout, stderr) = kvrouted(args);
+    (ok, stdout, stderr)
+}
+
 /// `kvrouted journal export` of the data dir `dir` into `work`; returns the export's path.
 fn export_journal(dir: &Path, work: &Path) -> PathBuf {
     let exported = work.join("journal.kvj");
@@ -545,14 +561,7 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
     let dir = daemon.data_dir.clone();
     let work = tempfile::TempDir::new().unwrap();
     let out = work.path().join("decisions.jsonl");
-    let (ok, _, stdout, stderr) = kvrouted([
-        "replay".as_ref(),
-        "--data-dir".as_ref(),
-        dir.as_os_str(),
-        "--verify".as_ref(),
-        "--out".as_ref(),
-        out.as_os_str(),
-    ]);
+    let (ok, stdout, stderr) = replay_verify("--data-dir", &dir, Some(&out));
     assert!(
         ok,
         "replay --verify of the daemon's own journal succeeds; stdout:\n{stdout}\nstderr:\n{stderr}"
@@ -601,14 +610,7 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
     // The portable export replays to the same decision stream.
     let exported = export_journal(&dir, work.path());
     let out2 = work.path().join("decisions-from-export.jsonl");
-    let (ok, _, stdout, stderr) = kvrouted([
-        "replay".as_ref(),
-        "--journal".as_ref(),
-        exported.as_os_str(),
-        "--verify".as_ref(),
-        "--out".as_ref(),
-        out2.as_os_str(),
-    ]);
+    let (ok, stdout, stderr) = replay_verify("--journal", &exported, Some(&out2));
     assert!(
         ok,
         "replay --verify of the export succeeds: {stdout}{stderr}"
@@ -722,14 +724,7 @@ async fn a_journal_pruned_by_retention_still_replays_every_decision_after_its_ol
     let dir = daemon.data_dir.clone();
     let work = tempfile::TempDir::new().unwrap();
     let out = work.path().join("decisions.jsonl");
-    let (ok, _, stdout, stderr) = kvrouted([
-        "replay".as_ref(),
-        "--data-dir".as_ref(),
-        dir.as_os_str(),
-        "--verify".as_ref(),
-        "--out".as_ref(),
-        out.as_os_str(),
-    ]);
+    let (ok, stdout, stderr) = replay_verify("--data-dir", &dir, Some(&out));
     assert!(ok, "{stdout}{stderr}");
     let report = replay_report(&stdout);
     assert_eq!(
@@ -749,12 +744,7 @@ async fn a_journal_pruned_by_retention_still_replays_every_decision_after_its_ol
     );
 
     let exported = export_journal(&dir, work.path());
-    let (ok, _, stdout, stderr) = kvrouted([
-        "replay".as_ref(),
-        "--journal".as_ref(),
-        exported.as_os_str(),
-        "--verify".as_ref(),
-    ]);
+    let (ok, stdout, stderr) = replay_verify("--journal", &exported, None);
     assert!(
         ok,
         "the export carries the snapshot it needs: {stdout}{stderr}"

@@ -9,20 +9,12 @@ async fn a_published_prefix_routes_to_its_owner_over_http() {
     let nats = Nats::start();
     let daemon = Daemon::start(&nats.url(), &[]).await;
     daemon.wait_ready().await;
-    let mut owner = Worker::connect(&nats.url(), "owner").await;
-    let other = Worker::connect(&nats.url(), "other").await;
-    let tokens = prompt(1, 8);
-    owner.store(&tokens).await;
-    owner.load(0.5).await;
-    other.load(0.0).await;
-    eventually("the owner's 8 blocks are indexed", || async {
-        (daemon.blocks().await.get("owner") == Some(&8)).then_some(())
-    })
-    .await;
-    eventually("both workers are known", || async {
-        (daemon.blocks().await.len() == 2).then_some(())
-    })
-    .await;
+    let OwnerAndOther { tokens, .. } = OwnerAndOther::publish(&daemon, &nats.url(), 0.5, 0.0).await;
+    assert_eq!(
+        daemon.blocks().await.len(),
+        2,
+        "both workers are known, the owner's 8 blocks indexed"
+    );
     let (status, body) = daemon.route(&tokens, json!({"request_id": "r1"})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(

@@ -1,8 +1,6 @@
 //! `kvrouted serve`: the HTTP port (answering "recovering" meanwhile), recovery, then the writer,
 //! the flusher, NATS ingest and the HTTP API.
 
-pub mod writer;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,14 +9,15 @@ use anyhow::Context;
 
 use crate::config::ServeArgs;
 use crate::http::{self, AppState};
-use crate::ingest::{self, IngestSettings, Status};
+use crate::ingest::{self, IngestSettings};
 use crate::input::Input;
 use crate::journal::Journal;
-use crate::metrics;
+use crate::prom;
 use crate::replay::replay;
 use crate::router::{Router, RouterConfig};
+use crate::status::Status;
+use crate::writer::{self, apply_journaled, Clock, PendingAcks, WriterSettings};
 use metrics_exporter_prometheus::PrometheusHandle;
-use writer::{apply_journaled, Clock, PendingAcks, WriterSettings};
 
 /// What recovery hands to the running daemon.
 struct Recovered {
@@ -50,7 +49,7 @@ fn recover(args: &ServeArgs, config: RouterConfig) -> anyhow::Result<Recovered> 
     }
     journal.flush()?;
     let recovery = started.elapsed();
-    ::metrics::gauge!("kvrouted_recovery_seconds").set(recovery.as_secs_f64());
+    metrics::gauge!("kvrouted_recovery_seconds").set(recovery.as_secs_f64());
     let index = router.index_stats();
     tracing::info!(
         data_dir = %args.data_dir.display(),
@@ -103,7 +102,7 @@ fn recovering_app(prometheus: PrometheusHandle) -> axum::Router {
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let prometheus = metrics::install()?;
+    let prometheus = prom::install()?;
     let status = Arc::new(Status::default());
     let config = args.router_config();
 
@@ -142,7 +141,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     }
                     async_nats::Event::Disconnected => {
                         status.nats_connected.store(false, Ordering::Release);
-                        ::metrics::counter!("kvrouted_nats_reconnects_total").increment(1);
+                        metrics::counter!("kvrouted_nats_reconnects_total").increment(1);
                         tracing::warn!("NATS disconnected; reconnecting with backoff, routing on the last known state");
                     }
                     other => tracing::info!("NATS: {other}"),
@@ -222,7 +221,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     client.connection_state() == async_nats::connection::State::Connected;
                 status.nats_connected.store(connected, Ordering::Release);
                 if writer.submit(Input::Tick, "tick", None).await.is_err()
-                    || writer.query(metrics::record_state).await.is_err()
+                    || writer.query(prom::record_state).await.is_err()
                 {
                     return;
                 }

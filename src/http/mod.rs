@@ -1,6 +1,7 @@
 //! The HTTP API (DESIGN.md §7). Handlers are thin: parse and validate, hash tokens into block
-//! keys (outside the writer's lock), apply the input through the single writer (on this task,
-//! see `daemon::writer`), shape the reply.
+//! keys (outside the writer's lock), call the writer's typed API (applied on this task, see
+//! [`crate::writer`]), shape the reply. Every failure is one [`ApiError`]: a status and a
+//! one-line `error` JSON body.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -18,12 +19,11 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::daemon::writer::WriterHandle;
 use crate::hashing;
-use crate::ingest::Status;
-use crate::input::{Input, RejectReason, Rejection, RouteRequest, WorkerId};
-use crate::metrics::reject;
-use crate::router::Output;
+use crate::input::{RejectReason, Rejection, RouteRequest, WorkerId};
+use crate::prom::reject;
+use crate::status::Status;
+use crate::writer::{RouteError, WriterGone, WriterHandle};
 
 mod token_list;
 
@@ -54,11 +54,23 @@ pub fn app(state: AppState, max_body_bytes: usize) -> HttpRouter {
 struct BodyLimit(usize);
 
 /// An error reply: a status and a one-line message.
-struct ApiError(StatusCode, String);
+pub struct ApiError(StatusCode, String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<WriterGone> for ApiError {
+    fn from(e: WriterGone) -> Self {
+        ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+    }
+}
+
+impl From<RouteError> for ApiError {
+    fn from(e: RouteError) -> Self {
+        ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
     }
 }
 
@@ -254,29 +266,18 @@ async fn route(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Result<RequestBody, ApiError>,
-) -> Response {
+) -> Result<Response, ApiError> {
     let started = Instant::now();
     let response = async {
         let RequestBody(body) = body?;
         let body = parse_route_body(&headers, &body)?;
         let request = route_request(&state, body)?;
-        match state.writer.apply(Input::Route(request), "http").await {
-            Ok(Output::Routed(decision)) => Ok(reply(&headers, StatusCode::OK, &decision)),
-            Ok(Output::NoCandidate) => Err(ApiError(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "no candidate worker: none known, or all draining or excluded".into(),
-            )),
-            Ok(other) => Err(ApiError(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("unexpected output {other:?}"),
-            )),
-            Err(e) => Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())),
-        }
+        let decision = state.writer.route(request).await?;
+        Ok(reply(&headers, StatusCode::OK, &decision))
     }
     .await;
-    ::metrics::histogram!("kvrouted_route_duration_seconds")
-        .record(started.elapsed().as_secs_f64());
-    response.unwrap_or_else(IntoResponse::into_response)
+    metrics::histogram!("kvrouted_route_duration_seconds").record(started.elapsed().as_secs_f64());
+    response
 }
 
 #[derive(Debug, Deserialize)]
@@ -288,48 +289,25 @@ async fn release(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Result<RequestBody, ApiError>,
-) -> Response {
-    let result = async {
-        let RequestBody(body) = body?;
-        let body: ReleaseBody = parse_body(&headers, &body)?;
-        match state
-            .writer
-            .apply(
-                Input::Release {
-                    reservation: body.reservation,
-                },
-                "http",
-            )
-            .await
-        {
-            Ok(Output::Released { found: true }) => Ok(reply(
-                &headers,
-                StatusCode::OK,
-                &json!({"released": body.reservation}),
-            )),
-            Ok(_) => Err(ApiError(
-                StatusCode::NOT_FOUND,
-                format!(
-                    "reservation {} is unknown, released or expired",
-                    body.reservation
-                ),
-            )),
-            Err(e) => Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())),
-        }
+) -> Result<Response, ApiError> {
+    let RequestBody(body) = body?;
+    let ReleaseBody { reservation } = parse_body(&headers, &body)?;
+    if !state.writer.release(reservation).await? {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("reservation {reservation} is unknown, released or expired"),
+        ));
     }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+    Ok(reply(
+        &headers,
+        StatusCode::OK,
+        &json!({ "released": reservation }),
+    ))
 }
 
-async fn workers(State(state): State<AppState>) -> Response {
-    match state
-        .writer
-        .query(|router, now| router.worker_rows(now))
-        .await
-    {
-        Ok(rows) => Json(json!({ "workers": rows })).into_response(),
-        Err(e) => ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
-    }
+async fn workers(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let rows = state.writer.workers().await?;
+    Ok(Json(json!({ "workers": rows })).into_response())
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {

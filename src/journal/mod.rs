@@ -397,4 +397,4 @@ impl Journal {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

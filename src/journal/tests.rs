@@ -141,7 +141,7 @@ fn worker(i: u64) -> WorkerId {
 }
 
 /// Inputs of a small fleet: stores, loads, routes over the stored prefixes.
-fn traffic(i: u64) -> Input {
+pub(crate) fn traffic(i: u64) -> Input {
     let w = i % 3;
     match i % 4 {
         0 | 1 => Input::KvEvents(KvEventBatch {

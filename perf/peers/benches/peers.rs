@@ -73,11 +73,10 @@ use kv_index::{ChainBlockMap, ChainIndex, SequenceHash};
 // ---------------------------------------------------------------------------------------------
 // Counting allocator: live heap bytes, for the memory figures.
 
-#[path = "../../../benches/support/counting_alloc.rs"]
-mod counting_alloc;
+use kvrouted_testkit::counting_alloc::{self, Counting};
 
 #[global_allocator]
-static GLOBAL: counting_alloc::Counting = counting_alloc::Counting;
+static GLOBAL: Counting = Counting;
 
 fn live() -> usize {
     counting_alloc::live_bytes()

@@ -1,7 +1,6 @@
 //! A global allocator that counts live heap bytes, so a benchmark can measure a structure's
-//! memory exactly (bytes after building it minus bytes before). Shared by the benchmarks with
-//! `#[path = ...] mod counting_alloc;` and
-//! `#[global_allocator] static GLOBAL: counting_alloc::Counting = counting_alloc::Counting;`.
+//! memory exactly (bytes after building it minus bytes before). A benchmark installs it with
+//! `#[global_allocator] static GLOBAL: Counting = Counting;`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};

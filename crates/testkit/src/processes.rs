@@ -1,5 +1,5 @@
 //! Finding ports and the nats-server binary for processes a benchmark or test starts on
-//! loopback. Shared by `benches/e2e.rs` and `tests/common` with `#[path = ...] mod`.
+//! loopback.
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,426 @@
+//! The kvrouted daemon as a process under test: its own data dir and HTTP port, killed on drop,
+//! and the HTTP helpers a test talks to it with.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tempfile::TempDir;
+
+use crate::poll::{eventually, DEADLINE};
+use crate::processes::free_port;
+use crate::worker::Worker;
+
+/// The `kvrouted` binary under test: `$KVROUTED_BIN`, else the one cargo built next to the
+/// running test or bench (`target/<profile>/kvrouted`; cargo builds a package's binaries before
+/// its integration tests and benches).
+pub fn kvrouted_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("KVROUTED_BIN") {
+        return bin.into();
+    }
+    let exe = std::env::current_exe().expect("the running test's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("tests run from target/<profile>/deps");
+    let bin = profile_dir.join(format!("kvrouted{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "{} not found: build it (cargo builds it for the root package's tests) or set KVROUTED_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs `cmd` to completion (killing it and failing if it outlives [`DEADLINE`]); returns its
+/// exit status, stdout and stderr.
+pub fn run_to_exit(mut cmd: Command) -> (ExitStatus, String, String) {
+    let dir = TempDir::new().unwrap();
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("start command");
+    let start = Instant::now();
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status, read(&out), read(&err));
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{cmd:?} still running after {DEADLINE:?}; stderr:\n{}",
+                read(&err)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The kvrouted daemon under test.
+pub struct Daemon {
+    child: Option<Child>,
+    /// Where the test talks HTTP to it (and, with `pass_http_addr`, what `--http-addr` says).
+    pub http: SocketAddr,
+    pub data_dir: PathBuf,
+    nats_url: String,
+    extra: Vec<String>,
+    /// Environment variables set on the process (e.g. `KVROUTED_...` settings).
+    pub env: Vec<(String, String)>,
+    /// Whether `--http-addr` is passed; off when the address comes from a file or the environment.
+    pub pass_http_addr: bool,
+    log: PathBuf,
+    _dir: Option<TempDir>,
+    client: reqwest::Client,
+}
+
+/// Flags that keep tests fast: quick ticks and flushes.
+const TEST_FLAGS: &[&str] = &["--tick-interval", "100ms", "--flush-interval", "5ms"];
+
+impl Daemon {
+    /// Starts a daemon with a fresh data dir.
+    pub async fn start(nats_url: &str, extra: &[&str]) -> Daemon {
+        let mut d = Daemon::new(nats_url, extra);
+        d.restart().await;
+        d
+    }
+
+    /// A daemon with a fresh data dir and HTTP port, not started yet: adjust `env`,
+    /// `pass_http_addr`, `http` or `data_dir`, then [`Daemon::restart`].
+    pub fn new(nats_url: &str, extra: &[&str]) -> Daemon {
+        let dir = TempDir::new().unwrap();
+        Daemon {
+            child: None,
+            http: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            log: dir.path().join("kvrouted.log"),
+            data_dir: dir.path().join("data"),
+            nats_url: nats_url.to_string(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
+            pass_http_addr: true,
+            _dir: Some(dir),
+            client: reqwest::Client::new(),
+        }
+    }
+
+    pub fn command(&self) -> Command {
+        let mut cmd = Command::new(kvrouted_bin());
+        cmd.arg("serve").args(["--nats-url", &self.nats_url]);
+        if self.pass_http_addr {
+            cmd.args(["--http-addr", &self.http.to_string()]);
+        }
+        cmd.arg("--data-dir")
+            .arg(&self.data_dir)
+            .args(TEST_FLAGS)
+            .args(&self.extra)
+            .env("RUST_LOG", "info");
+        // Only the settings a test gives: none leak in from the environment running the tests.
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("KVROUTED_") {
+                cmd.env_remove(k);
+            }
+        }
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    /// Starts the process (again) on the same data dir and port, and waits for /healthz.
+    /// Starts the process (again) on the same data dir and port without waiting for anything.
+    pub fn spawn(&mut self) {
+        assert!(self.child.is_none(), "daemon already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = self
+            .command()
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start kvrouted");
+        self.child = Some(child);
+    }
+
+    /// Starts the process (again) on the same data dir and port, and waits until its API is up:
+    /// the state is recovered (`/readyz` answers and no longer says `recovering`; `/healthz`
+    /// already answers during recovery).
+    pub async fn restart(&mut self) {
+        self.spawn();
+        let url = self.url("/readyz");
+        let client = self.client.clone();
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "kvrouted exited with {status} at start; log:\n{}",
+                    self.log_text()
+                );
+            }
+            if let Ok(r) = client.get(&url).send().await {
+                let v: Value = r.json().await.unwrap_or(Value::Null);
+                if v["status"] != "recovering" {
+                    break;
+                }
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "kvrouted did not come up; log:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.http)
+    }
+
+    /// SIGKILL: no snapshot, no flush.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM; waits up to [`DEADLINE`] for the exit. `None` if the process is still running
+    /// then (it is left to the drop's SIGKILL).
+    pub fn terminate_within_deadline(&mut self) -> Option<ExitStatus> {
+        let c = self.child.as_mut().expect("daemon running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        let start = Instant::now();
+        while start.elapsed() < DEADLINE {
+            if let Some(status) = c.try_wait().unwrap() {
+                self.child = None;
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("daemon running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        c.wait().unwrap()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().unwrap().is_none())
+    }
+
+    pub async fn wait_ready(&self) {
+        let url = self.url("/readyz");
+        let client = self.client.clone();
+        eventually("/readyz says ready", || {
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                let r = client.get(&url).send().await.ok()?;
+                let v: Value = r.json().await.ok()?;
+                (v["status"] == "ready").then_some(())
+            }
+        })
+        .await;
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// `POST` raw bytes; returns (status, content type, body bytes).
+    pub async fn post_bytes(
+        &self,
+        path: &str,
+        content_type: &str,
+        body: Vec<u8>,
+    ) -> (u16, String, Vec<u8>) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let ct = r
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        (status, ct, r.bytes().await.unwrap_or_default().to_vec())
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        let r = self.client.get(self.url(path)).send().await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    /// `POST /v1/route` with these tokens; returns (status, body).
+    pub async fn route(&self, tokens: &[u32], extra: Value) -> (u16, Value) {
+        let mut body = serde_json::json!({ "tokens": tokens });
+        if let Value::Object(m) = extra {
+            body.as_object_mut().unwrap().extend(m);
+        }
+        self.post("/v1/route", &body).await
+    }
+
+    pub async fn workers(&self) -> Value {
+        let (status, text) = self.get("/v1/workers").await;
+        assert_eq!(status, 200);
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// Blocks owned by KV events per worker id, from `/v1/workers`.
+    pub async fn blocks(&self) -> std::collections::BTreeMap<String, u64> {
+        self.workers().await["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                (
+                    w["id"].as_str().unwrap().to_string(),
+                    w["blocks"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    /// The value of a Prometheus sample line, e.g. `kvrouted_inputs_rejected_total{reason="x"}`.
+    pub async fn metric(&self, series: &str) -> f64 {
+        let (_, text) = self.get("/metrics").await;
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(series)
+                    .and_then(|rest| rest.trim().parse().ok())
+            })
+            .unwrap_or(0.0)
+    }
+
+    /// `kvrouted_route_decisions_total{decision="<label>"}`.
+    pub async fn decisions(&self, label: &str) -> f64 {
+        self.metric(&format!(
+            "kvrouted_route_decisions_total{{decision=\"{label}\"}}"
+        ))
+        .await
+    }
+
+    /// `kvrouted_inputs_rejected_total{reason="<reason>"}`.
+    pub async fn rejected(&self, reason: &str) -> f64 {
+        self.metric(&format!(
+            "kvrouted_inputs_rejected_total{{reason=\"{reason}\"}}"
+        ))
+        .await
+    }
+
+    /// Polls /metrics until `series` has reached `at_least`; returns its value.
+    pub async fn wait_metric(&self, series: &str, at_least: f64) -> f64 {
+        eventually(&format!("{series} reaches {at_least}"), || async {
+            let v = self.metric(series).await;
+            (v >= at_least).then_some(v)
+        })
+        .await
+    }
+
+    /// Polls until `kvrouted_inputs_rejected_total{reason}` has reached `at_least`.
+    pub async fn wait_rejected(&self, reason: &str, at_least: f64) -> f64 {
+        self.wait_metric(
+            &format!("kvrouted_inputs_rejected_total{{reason=\"{reason}\"}}"),
+            at_least,
+        )
+        .await
+    }
+
+    /// The `/v1/workers` row of worker `id`, if it is listed.
+    pub async fn worker(&self, id: &str) -> Option<Value> {
+        self.workers().await["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["id"] == id)
+            .cloned()
+    }
+
+    /// Polls `/v1/workers` until worker `id` shows the pressure of a [`Worker::load`] sample
+    /// with this `kv_usage`: the daemon has applied it (load travels on core NATS, unordered
+    /// with events).
+    pub async fn wait_load(&self, id: &str, kv_usage: f64) {
+        let expected = Worker::pressure_of(kv_usage);
+        eventually(
+            &format!("{id}'s pressure {expected} is visible"),
+            || async {
+                let p = self.worker(id).await?["pressure"].as_f64()?;
+                ((p - expected).abs() < 1e-9).then_some(())
+            },
+        )
+        .await
+    }
+
+    /// Polls `/v1/workers` until worker `id` owns `blocks` blocks by KV events.
+    pub async fn wait_blocks(&self, id: &str, blocks: u64) {
+        eventually(&format!("{id} owns {blocks} blocks"), || async {
+            (self.worker(id).await?["blocks"].as_u64()? == blocks).then_some(())
+        })
+        .await
+    }
+
+    /// Polls `/v1/workers` until worker `id` is listed with `state` (active | draining).
+    pub async fn wait_state(&self, id: &str, state: &str) {
+        eventually(&format!("{id} is listed as {state}"), || async {
+            (self.worker(id).await?["state"] == state).then_some(())
+        })
+        .await
+    }
+
+    /// Polls `/readyz` until its `status` is `status` (HTTP code aside); returns the reply.
+    pub async fn wait_readyz(&self, status: &str) -> (u16, Value) {
+        eventually(&format!("/readyz says {status}"), || async {
+            let (code, text) = self.get("/readyz").await;
+            let v: Value = serde_json::from_str(&text).ok()?;
+            (v["status"] == status).then_some((code, v))
+        })
+        .await
+    }
+
+    /// Runs the daemon's command to its exit, which must come within [`DEADLINE`] (for starts
+    /// that are meant to fail). Returns the status and stderr.
+    pub fn run_expecting_exit(&self) -> (ExitStatus, String) {
+        let (status, _, stderr) = run_to_exit(self.command());
+        (status, stderr)
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}

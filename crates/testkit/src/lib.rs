@@ -1,0 +1,40 @@
+//! Test kit of kvrouted (dev-only, never published): the real processes and helpers that the
+//! integration tests and the benchmarks share.
+//!
+//! Everything started here is killed on drop and every temp dir removed. Waiting is always
+//! polling against a deadline, never a bare sleep.
+//!
+//! # Layout
+//!
+//! - [`processes`]: free loopback ports, waiting for a port, finding `nats-server`.
+//! - [`nats`]: [`Nats`], a nats-server with JetStream and its own storage.
+//! - [`daemon`]: [`Daemon`], the `kvrouted` binary under test, and its HTTP helpers;
+//!   [`run_to_exit`] for commands that must exit.
+//! - [`worker`]: [`Worker`], a simulated vLLM worker publishing on NATS; [`prompt`];
+//!   [`OwnerAndOther`], the two-worker fleet most daemon tests start from.
+//! - [`poll`]: [`eventually`] and the [`DEADLINE`] every wait shares.
+//! - [`counting_alloc`]: a global allocator that counts live heap bytes, for memory figures.
+//!   The only part without the `processes` feature (the peer benchmark uses it alone).
+
+pub mod counting_alloc;
+#[cfg(feature = "processes")]
+pub mod daemon;
+#[cfg(feature = "processes")]
+pub mod nats;
+#[cfg(feature = "processes")]
+pub mod poll;
+#[cfg(feature = "processes")]
+pub mod processes;
+#[cfg(feature = "processes")]
+pub mod worker;
+
+#[cfg(feature = "processes")]
+pub use daemon::{kvrouted_bin, run_to_exit, Daemon};
+#[cfg(feature = "processes")]
+pub use nats::Nats;
+#[cfg(feature = "processes")]
+pub use poll::{eventually, DEADLINE};
+#[cfg(feature = "processes")]
+pub use processes::{free_port, nats_server_bin, wait_for_port};
+#[cfg(feature = "processes")]
+pub use worker::{consumer_settled, prompt, OwnerAndOther, Worker};

@@ -1,0 +1,373 @@
+//! The single writer: inputs are stamped with the next journal sequence and the daemon clock,
+//! journaled and applied one at a time, in one order, by whoever holds the state (see
+//! docs/architecture.md, "The writer").
+//!
+//! Its parts, each with the ordering rule it keeps and the tests of that rule:
+//!
+//! - [`state_lock`]: gateway inputs (routes, releases, queries) are applied on the HTTP task that
+//!   parsed them, under the state's lock, and are served before queued ingest. Handing each route
+//!   to another thread and back cost two context switches, the largest item in a route's profile
+//!   (docs/performance.md). The lock is the order: the journal sequence is taken under it.
+//! - this module: ingest inputs go through a bounded lane to the writer thread, which applies
+//!   them one lock at a time; [`WriterHandle`] is the typed API the handlers call.
+//! - [`acks`]: journal appends land in sled's memory; a flusher makes them durable every
+//!   `flush_interval` (group commit) and only then acks the broker messages they came from, so
+//!   neither path waits for the disk and a crash never loses an acked event.
+//! - [`snapshotter`]: every `snapshot_interval` the writer thread copies the state (the only
+//!   pause for a snapshot); a snapshot thread encodes and writes the copy, then applies journal
+//!   retention. The final snapshot at shutdown is written after any periodic one in progress.
+
+pub mod acks;
+pub mod snapshotter;
+pub mod state_lock;
+
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::input::{Input, RouteRequest, Stamped};
+use crate::journal::{Journal, JournalEntry, RouteOutcome};
+use crate::prom;
+use crate::router::{BlockSizes, Decision, Output, Router, WorkerRow};
+pub use acks::{flush_and_ack, run_flusher, Ack, AckFuture, Acknowledge, PendingAcks};
+use snapshotter::{take_snapshot, Snapshotter};
+use state_lock::StateLock;
+
+/// Capacity of the ingest lane. Small on purpose: a full lane pushes back on NATS (JetStream
+/// flow control) instead of building seconds of backlog in memory.
+const INGEST_QUEUE: usize = 4_096;
+
+enum Command {
+    Apply {
+        input: Input,
+        source: &'static str,
+        ack: Option<Ack>,
+    },
+    /// A message with nothing to journal (rejected): acked after the entries before it.
+    Ack(Ack),
+    Shutdown(oneshot::Sender<()>),
+}
+
+/// What the single writer owns: the router, the journal every input goes to first, and the
+/// clock that stamps inputs.
+pub struct WriterState {
+    router: Router,
+    journal: Journal,
+    clock: Clock,
+    pending: Arc<PendingAcks>,
+}
+
+impl WriterState {
+    /// Journals and applies one input; the next flush makes it durable.
+    fn apply(&mut self, input: Input, source: &str) -> Applied {
+        let applied = apply_journaled(
+            &mut self.router,
+            &self.journal,
+            &mut self.clock,
+            input,
+            source,
+        );
+        self.pending.appended(self.router.last_seq());
+        applied
+    }
+}
+
+/// Handle to the writer; cheap to clone.
+#[derive(Clone)]
+pub struct WriterHandle {
+    shared: Arc<StateLock<WriterState>>,
+    /// Each model's block size, for handlers cutting tokens into blocks without the state's
+    /// lock; replaced whenever a lifecycle message is applied (joins declare sizes).
+    block_sizes: Arc<RwLock<Arc<BlockSizes>>>,
+    ingest: mpsc::Sender<Command>,
+    control: mpsc::Sender<Command>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the router is shutting down")]
+pub struct WriterGone;
+
+/// Why a route got no decision.
+#[derive(Debug, thiserror::Error)]
+pub enum RouteError {
+    #[error("no candidate worker: none known, or all draining or excluded")]
+    NoCandidate,
+    #[error(transparent)]
+    WriterGone(#[from] WriterGone),
+}
+
+/// The source label of inputs from gateways, in metrics.
+const GATEWAY: &str = "http";
+
+impl WriterHandle {
+    /// Journals and applies a route on the calling task; holds the state's lock for the one
+    /// input (microseconds).
+    pub async fn route(&self, request: RouteRequest) -> Result<Decision, RouteError> {
+        let output = self.apply_gateway(Input::Route(request)).await?;
+        match output {
+            Output::Routed(decision) => Ok(decision),
+            Output::NoCandidate => Err(RouteError::NoCandidate),
+            other => unreachable!("the router answers a route with a decision or none: {other:?}"),
+        }
+    }
+
+    /// Journals and applies a release; `false` when the reservation is unknown, released or
+    /// expired.
+    pub async fn release(&self, reservation: u64) -> Result<bool, WriterGone> {
+        match self.apply_gateway(Input::Release { reservation }).await? {
+            Output::Released { found } => Ok(found),
+            other => {
+                unreachable!("the router answers a release with whether it found it: {other:?}")
+            }
+        }
+    }
+
+    /// The block size routes for `model` are cut with.
+    pub fn block_size_of(&self, model: Option<&str>) -> u32 {
+        let sizes = self
+            .block_sizes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        sizes.of(model)
+    }
+
+    /// The rows of `GET /v1/workers` (not journaled).
+    pub async fn workers(&self) -> Result<Vec<WorkerRow>, WriterGone> {
+        self.query(|router, now| router.worker_rows(now)).await
+    }
+
+    async fn apply_gateway(&self, input: Input) -> Result<Output, WriterGone> {
+        self.shared
+            .gateway(move |state| state.apply(input, GATEWAY).output)
+            .await
+    }
+
+    /// Queues an ingest input for the writer thread; `ack` is acked once its journal entry is
+    /// durable. Waits while the ingest lane is full.
+    pub async fn submit(
+        &self,
+        input: Input,
+        source: &'static str,
+        ack: Option<Ack>,
+    ) -> Result<(), WriterGone> {
+        self.ingest
+            .send(Command::Apply { input, source, ack })
+            .await
+            .map_err(|_| WriterGone)
+    }
+
+    /// Acks a message that has nothing to journal once everything queued before it is durable
+    /// (a cumulative ack must not cover earlier messages before their entries are).
+    pub async fn ack_in_order(&self, ack: Ack) -> Result<(), WriterGone> {
+        self.ingest
+            .send(Command::Ack(ack))
+            .await
+            .map_err(|_| WriterGone)
+    }
+
+    /// Reads the state (not journaled).
+    pub async fn query<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Router, u64) -> R + Send + 'static,
+    ) -> Result<R, WriterGone> {
+        self.shared
+            .gateway(move |state| f(&state.router, state.clock.now()))
+            .await
+    }
+
+    /// Writes a final snapshot and stops the writer.
+    pub async fn shutdown(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.control.send(Command::Shutdown(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+}
+
+/// Wall-clock milliseconds, never going backwards within this process.
+pub struct Clock {
+    last: u64,
+}
+
+impl Clock {
+    pub fn new(not_before: u64) -> Self {
+        Clock { last: not_before }
+    }
+
+    pub fn now(&mut self) -> u64 {
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        self.last = self.last.max(wall);
+        self.last
+    }
+}
+
+pub struct WriterSettings {
+    pub snapshot_interval: Duration,
+    pub journal_max_age: Duration,
+    pub journal_max_bytes: u64,
+}
+
+/// Applies one input through the journal; shared by the writer loop and startup.
+pub fn apply_journaled(
+    router: &mut Router,
+    journal: &Journal,
+    clock: &mut Clock,
+    input: Input,
+    source: &str,
+) -> Applied {
+    let seq = router.last_seq() + 1;
+    let stamped = Stamped {
+        seq,
+        at_ms: clock.now(),
+        input,
+    };
+    let output = router.apply(&stamped);
+    let entry = JournalEntry {
+        at_ms: stamped.at_ms,
+        input: stamped.input,
+        outcome: RouteOutcome::of(&output),
+    };
+    let journaled = match journal.append(seq, &entry) {
+        Ok(bytes) => {
+            metrics::counter!("kvrouted_journal_bytes_total").increment(bytes as u64);
+            metrics::counter!("kvrouted_journal_entries_total").increment(1);
+            true
+        }
+        Err(e) => {
+            metrics::counter!("kvrouted_journal_errors_total").increment(1);
+            tracing::error!(seq, "journal append failed: {e}");
+            false
+        }
+    };
+    prom::record_output(&output, source);
+    Applied {
+        seq,
+        output,
+        journaled,
+    }
+}
+
+/// The result of [`apply_journaled`].
+pub struct Applied {
+    pub seq: u64,
+    pub output: Output,
+    /// The entry is in the journal (durable at the next flush). When not, the message it came
+    /// from must not be acked: it stays pending and JetStream delivers it again.
+    pub journaled: bool,
+}
+
+/// The writer thread's side of its two channels.
+struct Lanes {
+    control: mpsc::Receiver<Command>,
+    ingest: mpsc::Receiver<Command>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Lanes {
+    /// The next command, control first, waiting for one until `deadline`. `Ok(None)` at the
+    /// deadline; `Err` once every handle is gone.
+    fn next(&mut self, deadline: Instant) -> Result<Option<Command>, WriterGone> {
+        if let Ok(cmd) = self.control.try_recv() {
+            return Ok(Some(cmd));
+        }
+        if let Ok(cmd) = self.ingest.try_recv() {
+            return Ok(Some(cmd));
+        }
+        let Lanes {
+            control,
+            ingest,
+            runtime,
+        } = self;
+        runtime.block_on(async {
+            tokio::select! {
+                biased;
+                cmd = control.recv() => cmd.map(Some).ok_or(WriterGone),
+                cmd = ingest.recv() => cmd.map(Some).ok_or(WriterGone),
+                _ = tokio::time::sleep_until(deadline.into()) => Ok(None),
+            }
+        })
+    }
+}
+
+/// Starts the writer thread. Returns its handle and the join handle.
+pub fn spawn(
+    router: Router,
+    journal: Journal,
+    clock: Clock,
+    pending: Arc<PendingAcks>,
+    settings: WriterSettings,
+) -> (WriterHandle, std::thread::JoinHandle<()>) {
+    let (control, control_rx) = mpsc::channel::<Command>(1);
+    let (ingest, ingest_rx) = mpsc::channel::<Command>(INGEST_QUEUE);
+    let mut lanes = Lanes {
+        control: control_rx,
+        ingest: ingest_rx,
+        runtime: tokio::runtime::Handle::current(),
+    };
+    let block_sizes = Arc::new(RwLock::new(Arc::new(router.block_sizes())));
+    let shared = Arc::new(StateLock::new(WriterState {
+        router,
+        journal: journal.clone(),
+        clock,
+        pending: pending.clone(),
+    }));
+    let handle = WriterHandle {
+        shared: shared.clone(),
+        block_sizes: block_sizes.clone(),
+        ingest,
+        control,
+    };
+    let thread = std::thread::Builder::new()
+        .name("kvrouted-writer".into())
+        .spawn(move || {
+            let mut snapshotter = Snapshotter::start(journal, &settings);
+            let shutdown = loop {
+                match lanes.next(snapshotter.next_due()) {
+                    Ok(Some(Command::Apply { input, source, ack })) => {
+                        let applied = shared.ingest(|state| {
+                            let lifecycle = matches!(input, Input::Lifecycle(_));
+                            let applied = state.apply(input, source);
+                            if lifecycle {
+                                let sizes = Arc::new(state.router.block_sizes());
+                                *block_sizes.write().unwrap_or_else(|e| e.into_inner()) = sizes;
+                            }
+                            // Queued under the lock, right after the entry's append.
+                            if let Some(ack) = ack {
+                                pending.queue(applied.seq, ack, applied.journaled);
+                            }
+                        });
+                        if applied.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(Some(Command::Ack(ack))) => pending.queue_after_appended(ack),
+                    Ok(Some(Command::Shutdown(done))) => break Some(done),
+                    Ok(None) => {}
+                    Err(WriterGone) => break None,
+                }
+                if snapshotter.due() {
+                    if let Ok(snapshot) =
+                        shared.ingest(|state| take_snapshot(&state.router, &mut state.clock))
+                    {
+                        snapshotter.submit(snapshot);
+                    }
+                }
+            };
+            // Let a periodic snapshot in progress finish, then write the final one.
+            snapshotter.finish(|| {
+                shared
+                    .take()
+                    .map(|mut state| take_snapshot(&state.router, &mut state.clock))
+            });
+            if let Some(done) = shutdown {
+                let _ = done.send(());
+            }
+        })
+        .expect("spawn writer thread");
+    (handle, thread)
+}
