@@ -110,6 +110,7 @@ fn route_long_prompt(c: &mut Criterion) {
                 waiting: 0,
                 max_running: Some(64),
                 model: None,
+                dp_rank: 0,
             }),
         ));
     }

@@ -124,6 +124,7 @@ impl Traffic {
             waiting: (self.rng.next() % 4) as u32,
             max_running: Some(64),
             model: None,
+            dp_rank: 0,
         })
     }
 

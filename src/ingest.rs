@@ -74,13 +74,14 @@ fn parse_subject<'a>(prefix: &str, subject: &'a str) -> Result<(Kind, &'a str), 
     Ok((kind, worker))
 }
 
-/// Decodes one message into an input.
+/// Decodes one message into an input, with the rejections of the parts of it that were left
+/// out (a lifecycle message's bad optional fields): those are counted, the input still applied.
 fn decode(
     settings: &IngestSettings,
     subject: &str,
     headers: Option<&HeaderMap>,
     payload: &[u8],
-) -> Result<Input, Rejection> {
+) -> Result<(Input, Vec<Rejection>), Rejection> {
     let (kind, worker) = parse_subject(&settings.subject_prefix, subject)?;
     let worker = WorkerId::new(worker)
         .map_err(|e| Rejection::new(RejectReason::InvalidWorkerId, e.to_string()))?;
@@ -97,20 +98,29 @@ fn decode(
     let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
     match kind {
         Kind::Events => {
-            let headers =
-                wire::parse_kv_headers(header("Kv-Seq"), header("Kv-Model"), header("Kv-Dp-Rank"))?;
-            wire::decode_kv_batch(payload, worker, headers).map(Input::KvEvents)
+            let headers = wire::parse_kv_headers(
+                header("Kv-Seq"),
+                header("Kv-Model"),
+                header("Kv-Dp-Rank"),
+                header("Kv-Epoch"),
+            )?;
+            let batch = wire::decode_kv_batch(payload, worker, headers)?;
+            Ok((Input::KvEvents(batch), Vec::new()))
         }
         Kind::Load => {
+            let headers =
+                wire::parse_kv_headers(None, header("Kv-Model"), header("Kv-Dp-Rank"), None)?;
             let mut sample = wire::decode_load(payload, worker)?;
             if sample.model.is_none() {
-                sample.model = header("Kv-Model")
-                    .filter(|m| !m.is_empty())
-                    .map(str::to_owned);
+                sample.model = headers.model;
             }
-            Ok(Input::Load(sample))
+            sample.dp_rank = headers.dp_rank.unwrap_or(0);
+            Ok((Input::Load(sample), Vec::new()))
         }
-        Kind::Workers => wire::decode_lifecycle(payload, worker).map(Input::Lifecycle),
+        Kind::Workers => {
+            let (lifecycle, rejected) = wire::decode_lifecycle(payload, worker)?;
+            Ok((Input::Lifecycle(lifecycle), rejected))
+        }
     }
 }
 
@@ -135,7 +145,8 @@ async fn run_core(
                 tracing::info!(subject, "subscribed");
                 while let Some(msg) = sub.next().await {
                     match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
-                        Ok(input) => {
+                        Ok((input, rejected)) => {
+                            rejected.iter().for_each(|r| reject(r, "nats"));
                             if writer.submit(input, "nats", None).await.is_err() {
                                 return;
                             }
@@ -223,7 +234,8 @@ async fn run_jetstream(
                 let (msg, acker) = msg.split();
                 let ack = Ack { acker, cumulative };
                 match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
-                    Ok(input) => {
+                    Ok((input, rejected)) => {
+                        rejected.iter().for_each(|r| reject(r, "jetstream"));
                         if writer.submit(input, "jetstream", Some(ack)).await.is_err() {
                             return Ok(());
                         }

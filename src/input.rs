@@ -142,12 +142,16 @@ impl Rejection {
     }
 }
 
-/// Where a block lives on the worker. Only GPU blocks count as ownership; other tiers (CPU
-/// offload, disk) are counted and ignored, never mixed with GPU ownership.
+/// Where a block lives on the worker. Only `Gpu` is device ownership; the others are lower
+/// tiers, tracked apart and never mixed with device ownership.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Medium {
     Gpu,
-    Other,
+    /// Host memory: `CPU`, `CPU_PINNED`.
+    Host,
+    /// `DISK`, `STORAGE`, `FS`, `OBJ`, `EXTERNAL` and any unknown medium string.
+    #[serde(alias = "Other")]
+    Disk,
 }
 
 /// One block of a `BlockStored` event, already hashed by the adapter.
@@ -170,12 +174,20 @@ pub enum KvEvent {
         /// LoRA adapter name; each (model, LoRA) pair is its own namespace.
         lora: Option<String>,
         medium: Medium,
+        /// False when the event's `kv_cache_spec_kind` names a kind other than full attention
+        /// (sliding window, mamba, ...): accepted, counted as ignored, not ownership.
+        #[serde(default = "default_true")]
+        full_attention: bool,
     },
     Removed {
         engine_hashes: Vec<u64>,
         medium: Medium,
     },
     Cleared,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// A KV event batch from one worker (`kv.events.<worker>`).
@@ -188,6 +200,10 @@ pub struct KvEventBatch {
     pub dp_rank: u32,
     /// `Kv-Seq` publisher sequence; batches without one apply in arrival order.
     pub seq: Option<u64>,
+    /// `Kv-Epoch`: the publisher's incarnation (1–64 chars). A new epoch means the engine
+    /// restarted. None = no header.
+    #[serde(default)]
+    pub epoch: Option<String>,
     pub events: Vec<KvEvent>,
 }
 
@@ -199,6 +215,7 @@ impl KvEventBatch {
             model: None,
             dp_rank: 0,
             seq: None,
+            epoch: None,
             events,
         }
     }
@@ -219,6 +236,7 @@ impl KvEventBatch {
                 block_size,
                 lora: None,
                 medium: Medium::Gpu,
+                full_attention: true,
             }],
         )
     }
@@ -233,6 +251,9 @@ pub struct LoadSample {
     pub waiting: u32,
     pub max_running: Option<u32>,
     pub model: Option<String>,
+    /// `Kv-Dp-Rank` header; 0 when absent.
+    #[serde(default)]
+    pub dp_rank: u32,
 }
 
 impl LoadSample {
@@ -262,6 +283,12 @@ pub struct Lifecycle {
     pub model: Option<String>,
     pub block_size: Option<u32>,
     pub capacity_blocks: Option<u64>,
+    #[serde(default)]
+    pub dp_size: Option<u32>,
+    /// The engine incarnation the worker's ranks run (the bridge sends the epoch it publishes
+    /// with). A join with the epoch the ranks already have is a re-announcement: clears nothing.
+    #[serde(default)]
+    pub epoch: Option<String>,
 }
 
 /// A routing request, reduced to what the decision needs (tokens are already block keys).

@@ -267,6 +267,7 @@ impl Router {
                     block_size,
                     lora,
                     medium,
+                    full_attention,
                 } => {
                     if *block_size != self.config.block_size {
                         report.rejections.push(Rejection::new(
@@ -279,7 +280,7 @@ impl Router {
                         ));
                         continue;
                     }
-                    if *medium != Medium::Gpu {
+                    if *medium != Medium::Gpu || !*full_attention {
                         report.ignored_blocks += blocks.len() as u64;
                         continue;
                     }

@@ -64,6 +64,7 @@ fn batch(worker: usize, event: KvEvent) -> Input {
         model: None,
         dp_rank: 0,
         seq: None,
+        epoch: None,
         events: vec![event],
     })
 }
@@ -92,7 +93,7 @@ proptest! {
                         model.entry(worker).or_default().insert(key);
                         parent_key = Some(key);
                     }
-                    batch(worker, KvEvent::Stored { parent: parent_hash, blocks, block_size: BLOCK, lora: None, medium: Medium::Gpu })
+                    batch(worker, KvEvent::Stored { parent: parent_hash, blocks, block_size: BLOCK, lora: None, medium: Medium::Gpu, full_attention: true })
                 }
                 Step::Remove { worker, picks } => {
                     let held: Vec<u64> = model.get(&worker).map(|s| s.iter().copied().collect()).unwrap_or_default();
@@ -112,7 +113,7 @@ proptest! {
                 }
                 Step::Leave { worker } => {
                     model.remove(&worker);
-                    Input::Lifecycle(Lifecycle { worker: id(worker), op: LifecycleOp::Leave, model: None, block_size: None, capacity_blocks: None })
+                    Input::Lifecycle(Lifecycle { worker: id(worker), op: LifecycleOp::Leave, model: None, block_size: None, capacity_blocks: None, dp_size: None, epoch: None })
                 }
             };
             router.apply(&Stamped { seq: seq as u64 + 1, at_ms: 1_000 + seq as u64, input });

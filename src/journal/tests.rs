@@ -165,6 +165,7 @@ fn traffic(i: u64) -> Input {
             waiting: 0,
             max_running: Some(8),
             model: None,
+            dp_rank: 0,
         }),
         _ => Input::Route(RouteRequest {
             model: None,

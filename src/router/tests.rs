@@ -30,6 +30,7 @@ fn one_block(local: u64, block_size: u32, medium: Medium) -> KvEvent {
         block_size,
         lora: None,
         medium,
+        full_attention: true,
     }
 }
 
@@ -105,6 +106,7 @@ impl Fleet {
             model: None,
             dp_rank,
             seq,
+            epoch: None,
             events,
         }));
         match out {
@@ -121,6 +123,7 @@ impl Fleet {
             waiting: 0,
             max_running: None,
             model: None,
+            dp_rank: 0,
         }));
     }
 
@@ -131,6 +134,8 @@ impl Fleet {
             model: None,
             block_size: None,
             capacity_blocks: None,
+            dp_size: None,
+            epoch: None,
         }));
     }
 
@@ -683,7 +688,7 @@ fn kv_events_with_another_block_size_are_rejected_not_rechunked() {
 #[test]
 fn non_gpu_blocks_are_counted_and_not_owned() {
     let mut fleet = Fleet::new();
-    let report = fleet.ingest("w", None, 0, vec![one_block(2, BLOCK, Medium::Other)]);
+    let report = fleet.ingest("w", None, 0, vec![one_block(2, BLOCK, Medium::Host)]);
     assert_eq!(report.ignored_blocks, 1);
     assert!(
         fleet.router.ownerships().is_empty(),
@@ -733,6 +738,7 @@ fn namespaces_keep_models_and_loras_apart() {
         model: Some("llama".into()),
         dp_rank: 0,
         seq: None,
+        epoch: None,
         events: vec![KvEvent::Stored {
             parent: None,
             blocks: vec![StoredBlock {
@@ -742,6 +748,7 @@ fn namespaces_keep_models_and_loras_apart() {
             block_size: BLOCK,
             lora: Some("sql".into()),
             medium: Medium::Gpu,
+            full_attention: true,
         }],
     }));
     assert!(matches!(out, Output::Ingested(_)));
@@ -885,6 +892,7 @@ fn scripted_inputs() -> Vec<Stamped> {
                     waiting: (step % 4) as u32,
                     max_running: Some(8),
                     model: None,
+                    dp_rank: 0,
                 }),
             ),
             1 | 2 => {

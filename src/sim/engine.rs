@@ -345,6 +345,8 @@ impl Sim<'_> {
                 model: None,
                 block_size: Some(self.trace.block_tokens),
                 capacity_blocks: Some(self.cfg.capacity_blocks),
+                dp_size: None,
+                epoch: None,
             }));
             self.send_load(w);
         }
@@ -433,6 +435,7 @@ impl Sim<'_> {
             waiting: worker.waiting.len() as u32,
             max_running: Some(worker.max_running),
             model: None,
+            dp_rank: 0,
         };
         self.apply(Input::Load(sample));
     }
@@ -571,6 +574,7 @@ impl Sim<'_> {
                         block_size: self.trace.block_tokens,
                         lora: None,
                         medium: Medium::Gpu,
+                        full_attention: true,
                     },
                 );
                 self.schedule(prefill_end + delay, Ev::Deliver(batch));

@@ -9,6 +9,7 @@
 
 use rmp::Marker;
 
+use super::kv::{bin_hash, is_full_attention_kind, medium_of, MAX_NAME_LEN, SPEC_KIND_POS};
 use crate::hashing::local_hash;
 use crate::input::{KvEvent, Medium, StoredBlock};
 
@@ -116,14 +117,22 @@ impl<'a> Cursor<'a> {
         self.str_after(m)
     }
 
-    /// A block hash: uint64, negative int64 (cast), or 32-byte bin (last 8 bytes, big-endian).
+    /// The bytes of a bin value whose marker was just read.
+    fn bin_after(&mut self, m: Marker) -> Option<&'a [u8]> {
+        let len = match m {
+            Marker::Bin8 => self.be::<1>()?[0] as usize,
+            Marker::Bin16 => u16::from_be_bytes(self.be()?) as usize,
+            Marker::Bin32 => u32::from_be_bytes(self.be()?) as usize,
+            _ => return None,
+        };
+        self.bytes(len)
+    }
+
+    /// A block hash: an integer of any width (negative int64 cast), or a bin digest read as
+    /// the tolerant decoder reads it.
     fn hash(&mut self) -> Option<u64> {
         match self.marker()? {
-            Marker::Bin8 => {
-                let len = self.be::<1>()?[0] as usize;
-                let bin = self.bytes(len)?;
-                (len == 32).then(|| u64::from_be_bytes(bin[24..].try_into().unwrap()))
-            }
+            m @ (Marker::Bin8 | Marker::Bin16 | Marker::Bin32) => bin_hash(self.bin_after(m)?),
             m => match self.int_after(m)? {
                 Int::Pos(v) => Some(v),
                 Int::Neg(v) => Some(v as u64),
@@ -131,12 +140,14 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    fn number(&mut self) -> Option<()> {
-        match self.marker()? {
-            Marker::F32 => self.be::<4>().map(drop),
-            Marker::F64 => self.be::<8>().map(drop),
-            m => self.int_after(m).map(drop),
-        }
+    /// A finite number (float or integer).
+    fn finite_number(&mut self) -> Option<()> {
+        let finite = match self.marker()? {
+            Marker::F32 => f32::from_be_bytes(self.be()?).is_finite(),
+            Marker::F64 => f64::from_be_bytes(self.be()?).is_finite(),
+            m => self.int_after(m).is_some(),
+        };
+        finite.then_some(())
     }
 
     /// Skips one value of any type.
@@ -152,9 +163,7 @@ impl<'a> Cursor<'a> {
             Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => {
                 return self.str_after(m).map(drop)
             }
-            Marker::Bin8 => self.be::<1>()?[0] as usize,
-            Marker::Bin16 => u16::from_be_bytes(self.be()?) as usize,
-            Marker::Bin32 => u32::from_be_bytes(self.be()?) as usize,
+            Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => return self.bin_after(m).map(drop),
             Marker::FixArray(n) => return self.skip_n(n as usize, depth),
             Marker::Array16 => {
                 let n = u16::from_be_bytes(self.be()?) as usize;
@@ -196,12 +205,7 @@ impl<'a> Cursor<'a> {
         if self.nil() {
             return Some(Medium::Gpu);
         }
-        let s = self.str()?;
-        Some(if s.eq_ignore_ascii_case("GPU") {
-            Medium::Gpu
-        } else {
-            Medium::Other
-        })
+        self.str().map(medium_of)
     }
 }
 
@@ -217,7 +221,7 @@ pub(super) fn decode_vllm_array(payload: &[u8]) -> Option<(Option<u32>, Vec<KvEv
         return None;
     }
     if !c.nil() {
-        c.number()?;
+        c.finite_number()?;
     }
     let n_events = c.array_len()?;
     let mut events = Vec::with_capacity(n_events.min(1024));
@@ -304,8 +308,9 @@ fn stored(c: &mut Cursor<'_>, fields: usize, tokens: &mut Vec<u32>) -> Option<(K
     } else {
         Medium::Gpu
     };
+    // A map here (SGLang's older metadata) or an oversize name: the tolerant decoder decides.
     let lora_name = if fields >= 7 && !c.nil() {
-        Some(c.str()?)
+        Some(c.str().filter(|name| name.len() <= MAX_NAME_LEN)?)
     } else {
         None
     };
@@ -313,14 +318,25 @@ fn stored(c: &mut Cursor<'_>, fields: usize, tokens: &mut Vec<u32>) -> Option<(K
         Some(name) => Some(name.to_owned()),
         None => lora_id,
     };
+    let mut read = fields.min(7);
+    let mut full_attention = true;
+    if fields > SPEC_KIND_POS {
+        c.skip_n(SPEC_KIND_POS - read, 0)?; // extra_keys, group_idx
+        if !c.nil() {
+            // A string kind; any other value there is left to the tolerant decoder.
+            full_attention = is_full_attention_kind(c.str()?);
+        }
+        read = SPEC_KIND_POS + 1;
+    }
     let event = KvEvent::Stored {
         parent,
         blocks,
         block_size,
         lora,
         medium,
+        full_attention,
     };
-    Some((event, fields.min(7)))
+    Some((event, read))
 }
 
 #[cfg(test)]

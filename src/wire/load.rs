@@ -67,6 +67,8 @@ pub fn decode_load(payload: &[u8], worker: WorkerId) -> Result<LoadSample, Rejec
         waiting,
         max_running,
         model,
+        // The payload carries no rank: ingest fills it from the `Kv-Dp-Rank` header.
+        dp_rank: 0,
     })
 }
 

@@ -80,6 +80,7 @@ fn stored_parts(event: KvEvent) -> (Option<u64>, Vec<StoredBlock>, u32, Option<S
             block_size,
             lora,
             medium,
+            ..
         } => (parent, blocks, block_size, lora, medium),
         other => panic!("expected a Stored event, got {other:?}"),
     }
@@ -100,25 +101,26 @@ fn manifest_path(rel: &str) -> PathBuf {
 
 #[test]
 fn headers_parse_decimal_values_and_trim_whitespace() {
-    let h = parse_kv_headers(Some(" 42 "), Some("llama"), Some("3")).unwrap();
+    let h = parse_kv_headers(Some(" 42 "), Some("llama"), Some("3"), None).unwrap();
     assert_eq!(
         h,
         KvHeaders {
             seq: Some(42),
             model: Some("llama".into()),
-            dp_rank: Some(3)
+            dp_rank: Some(3),
+            epoch: None,
         },
         "decimal headers parse to their values"
     );
     assert_eq!(
-        parse_kv_headers(Some("18446744073709551615"), None, None)
+        parse_kv_headers(Some("18446744073709551615"), None, None, None)
             .unwrap()
             .seq,
         Some(u64::MAX),
         "Kv-Seq covers the whole u64 range"
     );
     assert_eq!(
-        parse_kv_headers(None, None, None).unwrap(),
+        parse_kv_headers(None, None, None, None).unwrap(),
         KvHeaders::default(),
         "absent headers are None"
     );
@@ -137,7 +139,7 @@ fn non_decimal_seq_or_dp_rank_is_invalid_header() {
         "18446744073709551616",
         "1 2",
     ] {
-        let err = parse_kv_headers(Some(bad), None, None).unwrap_err();
+        let err = parse_kv_headers(Some(bad), None, None, None).unwrap_err();
         assert_eq!(
             err.reason,
             RejectReason::InvalidHeader,
@@ -150,7 +152,7 @@ fn non_decimal_seq_or_dp_rank_is_invalid_header() {
         );
     }
     for bad in ["x", "-3", "4294967296"] {
-        let err = parse_kv_headers(None, None, Some(bad)).unwrap_err();
+        let err = parse_kv_headers(None, None, Some(bad), None).unwrap_err();
         assert_eq!(
             err.reason,
             RejectReason::InvalidHeader,
@@ -163,7 +165,7 @@ fn non_decimal_seq_or_dp_rank_is_invalid_header() {
 fn empty_model_header_means_no_model() {
     for empty in ["", "   "] {
         assert_eq!(
-            parse_kv_headers(None, Some(empty), None).unwrap().model,
+            parse_kv_headers(None, Some(empty), None, None).unwrap().model,
             None,
             "an empty Kv-Model header carries no model"
         );
@@ -173,7 +175,7 @@ fn empty_model_header_means_no_model() {
 #[test]
 fn headers_are_carried_into_the_batch() {
     let payload = batch_of(json!(["AllBlocksCleared"]));
-    let headers = parse_kv_headers(Some("7"), Some("m"), Some("2")).unwrap();
+    let headers = parse_kv_headers(Some("7"), Some("m"), Some("2"), None).unwrap();
     let batch = decode_kv_batch(&payload, worker(), headers).unwrap();
     assert_eq!(batch.seq, Some(7), "Kv-Seq becomes the batch sequence");
     assert_eq!(
@@ -214,7 +216,7 @@ fn batch_dp_rank_is_used_when_no_header_is_given() {
 #[test]
 fn header_dp_rank_wins_over_batch_field() {
     let payload = mp(json!([1.0, [], 5]));
-    let headers = parse_kv_headers(None, None, Some("1")).unwrap();
+    let headers = parse_kv_headers(None, None, Some("1"), None).unwrap();
     let batch = decode_kv_batch(&payload, worker(), headers).unwrap();
     assert_eq!(
         batch.dp_rank, 1,
@@ -479,8 +481,11 @@ fn bytes_hash_uses_its_last_eight_bytes_big_endian() {
 #[test]
 fn hashes_of_other_kinds_are_invalid_field() {
     let bad_hashes = [
-        Value::Binary(vec![1; 16]),
-        Value::Binary(vec![1; 8]),
+        Value::Binary(vec![]),
+        Value::Binary(vec![1; 7]),
+        Value::Binary(vec![1; 12]),
+        Value::Binary(vec![1; 20]),
+        Value::Binary(vec![1; 36]),
         Value::from("0xabc"),
         Value::F64(1.0),
         Value::Nil,
@@ -643,7 +648,7 @@ fn malformed_bigrams_are_invalid_field() {
 }
 
 #[test]
-fn medium_gpu_in_any_case_or_nil_is_gpu_and_other_strings_are_other() {
+fn medium_gpu_in_any_case_or_nil_is_gpu_and_other_strings_are_lower_tiers() {
     let medium_of = |m: serde_json::Value| {
         stored_parts(only_event(decode_ok(&batch_of(json!([
             "BlockStored",
@@ -665,13 +670,13 @@ fn medium_gpu_in_any_case_or_nil_is_gpu_and_other_strings_are_other() {
     assert_eq!(medium_of(json!(null)), Medium::Gpu, "nil means GPU");
     assert_eq!(
         medium_of(json!("CPU")),
-        Medium::Other,
-        "CPU offload is another tier"
+        Medium::Host,
+        "CPU offload is the host tier"
     );
     assert_eq!(
         medium_of(json!("DISK")),
-        Medium::Other,
-        "disk is another tier"
+        Medium::Disk,
+        "disk is the disk tier"
     );
     let absent = stored_parts(only_event(decode_ok(&batch_of(json!([
         "BlockStored",
@@ -810,6 +815,7 @@ fn map_events_read_fields_by_name_and_ignore_unknown_keys() {
             block_size: 2,
             lora: Some("x".into()),
             medium: Medium::Gpu,
+            full_attention: true,
         },
         "key order does not matter and an absent parent is none"
     );
@@ -984,8 +990,12 @@ fn wrong_types_or_missing_load_fields_are_invalid_field() {
 // lifecycle
 // ------------------------------------------------------------------------------------------
 
+/// A lifecycle message that decodes with no field rejected.
 fn lifecycle(v: serde_json::Value) -> Result<crate::input::Lifecycle, Rejection> {
-    decode_lifecycle(&mp(v), worker())
+    decode_lifecycle(&mp(v), worker()).map(|(l, rejected)| {
+        assert_eq!(rejected, vec![], "no field is rejected");
+        l
+    })
 }
 
 #[test]
@@ -1029,10 +1039,16 @@ fn unknown_lifecycle_op_is_unknown_lifecycle_op() {
 
 #[test]
 fn invalid_lifecycle_fields_are_invalid_field() {
+    for case in [json!({}), json!({"op": null}), json!({"op": 1})] {
+        let r = lifecycle(case.clone()).unwrap_err();
+        assert_eq!(r.reason, RejectReason::InvalidField, "{case} has no usable op");
+        assert!(
+            r.detail.starts_with("Lifecycle.op"),
+            "detail names the field: {}",
+            r.detail
+        );
+    }
     let cases = [
-        json!({}),
-        json!({"op": null}),
-        json!({"op": 1}),
         json!({"op": "join", "block_size": 0}),
         json!({"op": "join", "block_size": -16}),
         json!({"op": "join", "block_size": "16"}),
@@ -1042,12 +1058,19 @@ fn invalid_lifecycle_fields_are_invalid_field() {
         json!({"op": "join", "model": ["m"]}),
     ];
     for case in cases {
-        let r = lifecycle(case.clone()).unwrap_err();
-        assert_eq!(r.reason, RejectReason::InvalidField, "{case} is invalid");
+        let (l, rejected) = decode_lifecycle(&mp(case.clone()), worker())
+            .unwrap_or_else(|r| panic!("{case}: the op survives a bad field, got {r:?}"));
+        assert_eq!(
+            (l.model, l.block_size, l.capacity_blocks),
+            (None, None, None),
+            "{case}: the bad field is left out"
+        );
+        assert_eq!(rejected.len(), 1, "{case}: the bad field is rejected");
+        assert_eq!(rejected[0].reason, RejectReason::InvalidField, "{case}");
         assert!(
-            r.detail.starts_with("Lifecycle."),
+            rejected[0].detail.starts_with("Lifecycle."),
             "detail names the field: {}",
-            r.detail
+            rejected[0].detail
         );
     }
     assert_eq!(
@@ -1101,10 +1124,11 @@ fn encoded_vllm_batch_round_trips_to_core_events() {
                 block_size: 3,
                 lora: Some("2".into()),
                 medium: Medium::Gpu,
+                full_attention: true,
             },
             KvEvent::Removed {
                 engine_hashes: vec![5],
-                medium: Medium::Other
+                medium: Medium::Host
             },
             KvEvent::Cleared,
         ],
@@ -1142,7 +1166,7 @@ fn encoded_load_and_lifecycle_round_trip() {
         "absent optionals stay absent"
     );
     for op in [LifecycleOp::Join, LifecycleOp::Drain, LifecycleOp::Leave] {
-        let l = decode_lifecycle(
+        let (l, _) = decode_lifecycle(
             &encode_lifecycle(op, Some("m"), Some(16), Some(1024)),
             worker(),
         )
@@ -1153,7 +1177,7 @@ fn encoded_load_and_lifecycle_round_trip() {
             "every lifecycle field round-trips"
         );
     }
-    let l = decode_lifecycle(
+    let (l, _) = decode_lifecycle(
         &encode_lifecycle(LifecycleOp::Leave, None, None, None),
         worker(),
     )
@@ -1181,7 +1205,8 @@ fn read_fixture(file: &str) -> Vec<u8> {
 fn expected_event(e: &serde_json::Value) -> KvEvent {
     let medium = |m: &serde_json::Value| match m.as_str() {
         Some("gpu") => Medium::Gpu,
-        Some("other") => Medium::Other,
+        Some("host") => Medium::Host,
+        Some("disk") => Medium::Disk,
         other => panic!("expected.json: unknown medium {other:?}"),
     };
     let u64s = |v: &serde_json::Value| -> Vec<u64> {
@@ -1206,6 +1231,7 @@ fn expected_event(e: &serde_json::Value) -> KvEvent {
             block_size: e["block_size"].as_u64().expect("block_size") as u32,
             lora: e["lora"].as_str().map(str::to_owned),
             medium: medium(&e["medium"]),
+            full_attention: e["full_attention"].as_bool().unwrap_or(true),
         },
         Some("removed") => KvEvent::Removed {
             engine_hashes: u64s(&e["engine_hashes"]),
@@ -1577,7 +1603,8 @@ fn arb_consistent_stored() -> impl Strategy<Value = (VllmEvent, KvEvent)> {
                     .collect(),
                 block_size: bs,
                 lora: lora_id.map(|id| id.to_string()),
-                medium: if gpu { Medium::Gpu } else { Medium::Other },
+                medium: if gpu { Medium::Gpu } else { Medium::Host },
+                full_attention: true,
             };
             let wire = VllmEvent::BlockStored {
                 block_hashes: hashes,
