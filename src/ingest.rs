@@ -321,4 +321,89 @@ mod tests {
         );
         assert!(parse_subject("kv", "other.events.w").is_err());
     }
+
+    fn settings() -> IngestSettings {
+        IngestSettings {
+            subject_prefix: "kv".into(),
+            stream: "KVROUTED".into(),
+            consumer: "kvrouted".into(),
+            jetstream: true,
+            max_payload_bytes: 1 << 20,
+        }
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, *v);
+        }
+        h
+    }
+
+    #[test]
+    fn kv_epoch_header_reaches_the_batch_and_a_bad_one_rejects_it() {
+        let payload = wire::encode_vllm_batch(1.0, &[wire::VllmEvent::AllBlocksCleared], None);
+        let h = headers(&[("Kv-Epoch", "boot-2"), ("Kv-Seq", "3")]);
+        match decode(&settings(), "kv.events.w", Some(&h), &payload) {
+            Ok((Input::KvEvents(batch), rejected)) => {
+                assert_eq!(
+                    (batch.epoch.as_deref(), batch.seq, rejected.len()),
+                    (Some("boot-2"), Some(3), 0),
+                    "the batch carries Kv-Epoch and Kv-Seq"
+                );
+            }
+            other => panic!("expected a KV batch, got {other:?}"),
+        }
+        let h = headers(&[("Kv-Epoch", "boot 2")]);
+        assert_eq!(
+            decode(&settings(), "kv.events.w", Some(&h), &payload)
+                .unwrap_err()
+                .reason,
+            RejectReason::InvalidHeader,
+            "an unreadable Kv-Epoch rejects the batch"
+        );
+    }
+
+    #[test]
+    fn a_load_sample_takes_its_dp_rank_from_the_header() {
+        let payload = wire::encode_load(0.5, 1, 0, None, 0.0, None);
+        let h = headers(&[("Kv-Dp-Rank", "3"), ("Kv-Model", "m")]);
+        match decode(&settings(), "kv.load.w", Some(&h), &payload) {
+            Ok((Input::Load(sample), _)) => assert_eq!(
+                (sample.dp_rank, sample.model.as_deref()),
+                (3, Some("m")),
+                "Kv-Dp-Rank and Kv-Model fill the sample"
+            ),
+            other => panic!("expected a load sample, got {other:?}"),
+        }
+        match decode(&settings(), "kv.load.w", None, &payload) {
+            Ok((Input::Load(sample), _)) => assert_eq!(sample.dp_rank, 0, "no header: rank 0"),
+            other => panic!("expected a load sample, got {other:?}"),
+        }
+        let h = headers(&[("Kv-Dp-Rank", "-1")]);
+        assert_eq!(
+            decode(&settings(), "kv.load.w", Some(&h), &payload)
+                .unwrap_err()
+                .reason,
+            RejectReason::InvalidHeader,
+            "an unreadable Kv-Dp-Rank rejects the sample"
+        );
+    }
+
+    #[test]
+    fn a_lifecycle_message_with_a_bad_field_is_handed_on_with_its_rejection() {
+        let payload = rmp_serde::to_vec(&serde_json::json!({"op": "drain", "block_size": "16"}))
+            .expect("encodes");
+        match decode(&settings(), "kv.workers.w", None, &payload) {
+            Ok((Input::Lifecycle(l), rejected)) => {
+                assert_eq!(l.op, crate::input::LifecycleOp::Drain, "the drain is kept");
+                assert_eq!(
+                    rejected.iter().map(|r| r.reason).collect::<Vec<_>>(),
+                    vec![RejectReason::InvalidField],
+                    "the bad field is returned to be counted"
+                );
+            }
+            other => panic!("expected a lifecycle message, got {other:?}"),
+        }
+    }
 }

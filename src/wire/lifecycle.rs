@@ -60,7 +60,13 @@ pub fn decode_lifecycle(
     let model = optional(entries, "model", "a string of at most 256 bytes", &name, r)
         .filter(|m| !m.is_empty());
     let block_size = optional(entries, "block_size", POSITIVE_U32, &positive_u32, r);
-    let capacity_blocks = optional(entries, "capacity_blocks", "a non-negative integer", &as_u64, r);
+    let capacity_blocks = optional(
+        entries,
+        "capacity_blocks",
+        "a non-negative integer",
+        &as_u64,
+        r,
+    );
     let dp_size = optional(entries, "dp_size", POSITIVE_U32, &positive_u32, r);
     let epoch = optional(entries, "epoch", EPOCH, &epoch_string, r);
 
@@ -117,7 +123,9 @@ fn name(v: &ValueRef<'_>) -> Option<String> {
 /// The `Kv-Epoch` rule; a lifecycle `epoch` is not trimmed (it is not a header).
 fn epoch_string(v: &ValueRef<'_>) -> Option<String> {
     as_str(v)
-        .filter(|s| !s.is_empty() && s.len() <= MAX_EPOCH_LEN && s.bytes().all(|b| b.is_ascii_graphic()))
+        .filter(|s| {
+            !s.is_empty() && s.len() <= MAX_EPOCH_LEN && s.bytes().all(|b| b.is_ascii_graphic())
+        })
         .map(str::to_owned)
 }
 

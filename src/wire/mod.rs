@@ -25,6 +25,8 @@ mod value;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_engines;
 
 pub use encode::{encode_lifecycle, encode_load, encode_vllm_batch, VllmEvent};
 pub use kv::decode_kv_batch;

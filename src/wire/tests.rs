@@ -165,7 +165,9 @@ fn non_decimal_seq_or_dp_rank_is_invalid_header() {
 fn empty_model_header_means_no_model() {
     for empty in ["", "   "] {
         assert_eq!(
-            parse_kv_headers(None, Some(empty), None, None).unwrap().model,
+            parse_kv_headers(None, Some(empty), None, None)
+                .unwrap()
+                .model,
             None,
             "an empty Kv-Model header carries no model"
         );
@@ -1041,7 +1043,11 @@ fn unknown_lifecycle_op_is_unknown_lifecycle_op() {
 fn invalid_lifecycle_fields_are_invalid_field() {
     for case in [json!({}), json!({"op": null}), json!({"op": 1})] {
         let r = lifecycle(case.clone()).unwrap_err();
-        assert_eq!(r.reason, RejectReason::InvalidField, "{case} has no usable op");
+        assert_eq!(
+            r.reason,
+            RejectReason::InvalidField,
+            "{case} has no usable op"
+        );
         assert!(
             r.detail.starts_with("Lifecycle.op"),
             "detail names the field: {}",
