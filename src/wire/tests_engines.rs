@@ -662,6 +662,79 @@ fn names_the_core_keeps_are_capped_at_256_bytes() {
         RejectReason::InvalidHeader,
         "a 257-byte Kv-Model is rejected"
     );
+    let sample =
+        |model: String| mp(json!({"kv_usage": 0.5, "running": 1, "waiting": 0, "model": model}));
+    assert_eq!(
+        decode_load(&sample(name(256)), worker()).unwrap().model,
+        Some(name(256)),
+        "a 256-byte load-sample model is fine"
+    );
+    assert_eq!(
+        decode_load(&sample(name(257)), worker())
+            .unwrap_err()
+            .reason,
+        RejectReason::InvalidField,
+        "a 257-byte load-sample model is rejected"
+    );
+}
+
+// ------------------------------------------------------------------------------------------
+// schemas/examples of the engines' current layouts
+// ------------------------------------------------------------------------------------------
+
+fn example(name: &str) -> Vec<u8> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("schemas/examples")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    mp(serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}")))
+}
+
+#[test]
+fn the_engine_layout_examples_decode_to_what_the_docs_say() {
+    let vllm = decode_ok(&example("kv-batch-vllm-0-33.json"));
+    let kinds: Vec<(Medium, bool)> = vllm
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::Stored {
+                medium,
+                full_attention,
+                ..
+            } => Some((*medium, *full_attention)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        (vllm.dp_rank, vllm.events.len(), kinds),
+        (
+            0,
+            5,
+            vec![
+                (Medium::Gpu, true),
+                (Medium::Gpu, false),
+                (Medium::Host, true)
+            ]
+        ),
+        "vLLM 0.33: a full-attention store, a sliding-window store, a CPU-tier store"
+    );
+    let sglang = decode_ok(&example("kv-batch-sglang-0-5-23.json"));
+    match &sglang.events[0] {
+        KvEvent::Stored { blocks, lora, .. } => assert_eq!(
+            (blocks[0].engine_hash, lora.as_deref()),
+            ((-4611686018427400249i64) as u64, Some("support-bot")),
+            "SGLang 0.5.23: a signed hash and the LoRA name"
+        ),
+        other => panic!("a store, got {other:?}"),
+    }
+    assert_eq!(sglang.dp_rank, 1, "SGLang's attn_dp_rank");
+    let (join, rejected) = decode_lifecycle(&example("lifecycle-join-bridge.json"), worker())
+        .expect("the bridge's join decodes");
+    assert_eq!(
+        (join.op, join.dp_size, join.epoch.as_deref(), rejected.len()),
+        (LifecycleOp::Join, Some(2), Some("7f3c9a1e-boot-1"), 0),
+        "the bridge's join carries dp_size and epoch"
+    );
 }
 
 #[test]
