@@ -1,11 +1,12 @@
 //! Encoders: the publishing side of the wire contract, used by the simulator, the bridge and the
 //! integration tests to put on NATS exactly what a vLLM worker would.
 //!
-//! KV event batches are byte-for-byte what msgspec writes for vLLM's structs (declared with
-//! `array_like=True, tag=True, omit_defaults=True`). msgspec ignores `omit_defaults` for
-//! array-like structs, so every declared field is written, `None` as nil: a batch is always
-//! `[ts, events, data_parallel_rank]` and a `BlockStored` always has its nine fields. The
-//! fixtures in `tests/fixtures/kv_events/` (written by msgspec) pin this down.
+//! KV event batches are byte-for-byte what msgspec writes for vLLM's positional structs (releases
+//! before 0.33, declared with `array_like=True, tag=True, omit_defaults=True`). msgspec ignores
+//! `omit_defaults` for array-like structs, so every declared field is written, `None` as nil: a
+//! batch is always `[ts, events, data_parallel_rank]` and a `BlockStored` always has its nine
+//! fields. The fixtures in `tests/fixtures/kv_events/` (written by msgspec) pin this down; those
+//! of the current layouts (tagged-map events) are there too, for publishers that need them.
 
 use rmpv::Value;
 

@@ -1,15 +1,17 @@
-//! KV event batches (DESIGN.md §3.1): exactly what vLLM's and SGLang's ZMQ KV-event publishers
-//! emit, so a worker (or the bridge) forwards the third ZMQ frame untouched.
+//! KV event batches (DESIGN.md §3.1): exactly what vLLM's, SGLang's and TensorRT-LLM's ZMQ
+//! KV-event publishers emit, so a worker (or the bridge) forwards the third ZMQ frame untouched.
 //!
-//! Those publishers encode msgspec structs declared with `array_like=True, tag=True,
-//! omit_defaults=True`. In practice that means:
+//! Those publishers encode msgspec structs. In practice that means:
 //!
-//! - a batch is `[ts, events, data_parallel_rank]`; releases before data-parallel support send
-//!   `[ts, events]`; a publisher building plain dicts sends `{ts, events, data_parallel_rank}`;
-//! - an event is `[tag, field, field, ...]` in declaration order, or `{"type": tag, name: value}`;
-//! - msgspec ignores `omit_defaults` for array-like structs (it writes every field, `None` as
-//!   nil), but releases differ in how many fields they declare, so every field after the
-//!   required ones may be missing or nil, and fields a future release appends are ignored.
+//! - a batch is `[ts, events, dp_rank]` (vLLM's `data_parallel_rank`, SGLang's `attn_dp_rank`);
+//!   releases before data-parallel support send `[ts, events]`; a publisher building plain dicts
+//!   sends `{ts, events, data_parallel_rank}`;
+//! - an event is a tagged map `{"type": tag, name: value}` in current releases (vLLM 0.33,
+//!   SGLang 0.5.23: `tag=True, omit_defaults=True`, so fields left at None are absent), or a
+//!   tagged array `[tag, field, field, ...]` in declaration order in older ones (`array_like`:
+//!   msgspec writes every declared field, `None` as nil, but releases differ in how many fields
+//!   they declare, so every field after the required ones may be missing or nil);
+//! - fields a release adds are ignored, by name or past the last known position.
 //!
 //! The engine's block hashes are opaque to kvrouted: the core keys blocks by their content
 //! ([`crate::hashing`]), so each stored block's tokens are hashed here, in the adapter, into its

@@ -437,6 +437,76 @@ fn every_newer_engine_field_decodes_and_unknown_ones_are_ignored() {
 }
 
 #[test]
+fn the_current_engines_tagged_map_events_take_the_single_pass_decoder() {
+    let payload = mp(json!([1.5, [
+        {"type": "BlockStored", "block_hashes": [9, -2], "parent_block_hash": 8,
+         "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": 4, "medium": "CPU_PINNED",
+         "lora_name": "adapter", "extra_keys": [["s"], null], "group_idx": 1,
+         "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 128,
+         "session_id": "s", "cache_salt": "x", "mm_keys": [[[0, 1], 0]]},
+        {"type": "BlockRemoved", "block_hashes": [9], "medium": "DISK", "group_idx": 1},
+        {"type": "AllBlocksCleared"}
+    ], 2]));
+    let fast = decode_vllm_array(&payload).expect("tagged-map events take the fast path");
+    assert_eq!(
+        fast,
+        (
+            Some(2),
+            vec![
+                KvEvent::Stored {
+                    parent: Some(8),
+                    blocks: vec![
+                        StoredBlock {
+                            engine_hash: 9,
+                            local: local_hash(&[1, 2])
+                        },
+                        StoredBlock {
+                            engine_hash: -2i64 as u64,
+                            local: local_hash(&[3, 4])
+                        },
+                    ],
+                    block_size: 2,
+                    lora: Some("adapter".into()),
+                    medium: Medium::Host,
+                    full_attention: false,
+                },
+                KvEvent::Removed {
+                    engine_hashes: vec![9],
+                    medium: Medium::Disk
+                },
+                KvEvent::Cleared,
+            ]
+        ),
+        "every field read as the tolerant decoder reads it"
+    );
+    assert_eq!(
+        decode_tolerant(&payload).ok(),
+        Some(fast),
+        "both paths agree"
+    );
+    // [1.5, [{"type": "Oops", "type": "AllBlocksCleared"}]]
+    let mut twice = vec![0x92, 0xcb];
+    twice.extend(1.5f64.to_be_bytes());
+    twice.extend([0x91, 0x82, 0xa4]);
+    twice.extend(b"type");
+    twice.extend([0xa4]);
+    twice.extend(b"Oops");
+    twice.extend([0xa4]);
+    twice.extend(b"type");
+    twice.extend([0xb0]);
+    twice.extend(b"AllBlocksCleared");
+    assert!(
+        decode_vllm_array(&twice).is_none(),
+        "a repeated key is left to the tolerant decoder"
+    );
+    assert_eq!(
+        decode(&twice).map(|b| b.events),
+        Ok(vec![KvEvent::Cleared]),
+        "which takes the last value"
+    );
+}
+
+#[test]
 fn every_batch_form_decodes_with_its_rank() {
     let cleared = json!([{"type": "AllBlocksCleared"}]);
     let cases = [
@@ -832,7 +902,77 @@ fn arb_tail() -> impl Strategy<Value = Vec<Value>> {
     })
 }
 
+/// A tagged-map event: a tag and a random selection, in random order, of field names with
+/// values that are sometimes right and sometimes not, and sometimes a repeated key.
+fn arb_map_event() -> impl Strategy<Value = Value> {
+    let tag = prop_oneof![
+        Just(Value::from("BlockStored")),
+        Just(Value::from("BlockRemoved")),
+        Just(Value::from("AllBlocksCleared")),
+        Just(Value::from(1)),
+    ];
+    let field = prop_oneof![
+        arb_hash().prop_map(|h| ("block_hashes", Value::Array(vec![h]))),
+        Just(("block_hashes", Value::Array(vec![]))),
+        Just(("block_hashes", Value::Nil)),
+        arb_hash().prop_map(|h| ("parent_block_hash", h)),
+        Just(("parent_block_hash", Value::Nil)),
+        Just((
+            "token_ids",
+            Value::Array(vec![Value::from(1), Value::from(2)])
+        )),
+        Just(("token_ids", Value::Array(vec![]))),
+        Just((
+            "token_ids",
+            Value::Array(vec![Value::Array(vec![Value::from(1), Value::from(2)])])
+        )),
+        Just(("block_size", Value::from(2))),
+        Just(("block_size", Value::from(0))),
+        Just(("lora_id", Value::from(-3))),
+        Just(("lora_id", Value::from("x"))),
+        Just(("medium", Value::from("CPU"))),
+        Just(("medium", Value::from(1))),
+        Just(("lora_name", Value::from("a"))),
+        Just(("lora_name", Value::from(""))),
+        Just(("lora_name", Value::Map(vec![]))),
+        Just(("kv_cache_spec_kind", Value::from("mamba"))),
+        Just(("kv_cache_spec_kind", Value::from(2))),
+        Just((
+            "mm_keys",
+            Value::Array(vec![Value::Array(vec![Value::Binary(vec![0; 32])])])
+        )),
+        Just(("session_id", Value::Nil)),
+    ];
+    (tag, proptest::collection::vec(field, 0..9), any::<bool>()).prop_map(
+        |(tag, fields, tag_last)| {
+            let mut entries: Vec<(Value, Value)> = fields
+                .into_iter()
+                .map(|(k, v)| (Value::from(k), v))
+                .collect();
+            let tag = (Value::from("type"), tag);
+            if tag_last {
+                entries.push(tag);
+            } else {
+                entries.insert(0, tag);
+            }
+            Value::Map(entries)
+        },
+    )
+}
+
 proptest! {
+    #[test]
+    fn both_paths_agree_on_tagged_map_events(events in proptest::collection::vec(arb_map_event(), 1..4)) {
+        let payload = mpv(&Value::Array(vec![
+            Value::F64(1.5),
+            Value::Array(events),
+            Value::from(0),
+        ]));
+        if let Some(fast) = decode_vllm_array(&payload) {
+            prop_assert_eq!(Some(fast), decode_tolerant(&payload).ok(), "the single-pass decoder agrees");
+        }
+    }
+
     #[test]
     fn both_paths_agree_on_the_engines_newer_array_layouts(
         hash in arb_hash(),
