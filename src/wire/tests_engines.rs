@@ -992,3 +992,115 @@ proptest! {
         }
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// journal compatibility of the changed input types
+// ------------------------------------------------------------------------------------------
+
+/// The journal stores inputs with `rmp_serde::to_vec` (structs as arrays). Entries written
+/// before this round's type changes must still read.
+#[test]
+fn inputs_journaled_before_the_type_changes_still_decode() {
+    #[derive(serde::Serialize)]
+    enum OldMedium {
+        Gpu,
+        Other,
+    }
+    #[derive(serde::Serialize)]
+    enum OldKvEvent {
+        Stored {
+            parent: Option<u64>,
+            blocks: Vec<StoredBlock>,
+            block_size: u32,
+            lora: Option<String>,
+            medium: OldMedium,
+        },
+    }
+    let old = rmp_serde::to_vec(&OldKvEvent::Stored {
+        parent: None,
+        blocks: vec![],
+        block_size: 16,
+        lora: None,
+        medium: OldMedium::Other,
+    })
+    .unwrap();
+    let event: KvEvent = rmp_serde::from_slice(&old).expect("an old Stored event decodes");
+    assert_eq!(
+        event,
+        KvEvent::Stored {
+            parent: None,
+            blocks: vec![],
+            block_size: 16,
+            lora: None,
+            medium: Medium::Disk,
+            full_attention: true,
+        },
+        "an old Other medium reads as Disk and an old store as full attention"
+    );
+    let _ = OldMedium::Gpu;
+
+    #[derive(serde::Serialize)]
+    struct OldLoadSample {
+        worker: WorkerId,
+        kv_usage: f64,
+        running: u32,
+        waiting: u32,
+        max_running: Option<u32>,
+        model: Option<String>,
+    }
+    let old = rmp_serde::to_vec(&OldLoadSample {
+        worker: worker(),
+        kv_usage: 0.5,
+        running: 1,
+        waiting: 2,
+        max_running: None,
+        model: None,
+    })
+    .unwrap();
+    let sample: crate::input::LoadSample =
+        rmp_serde::from_slice(&old).expect("an old load sample decodes");
+    assert_eq!(sample.dp_rank, 0, "an old sample is rank 0");
+
+    #[derive(serde::Serialize)]
+    struct OldLifecycle {
+        worker: WorkerId,
+        op: LifecycleOp,
+        model: Option<String>,
+        block_size: Option<u32>,
+        capacity_blocks: Option<u64>,
+    }
+    let old = rmp_serde::to_vec(&OldLifecycle {
+        worker: worker(),
+        op: LifecycleOp::Drain,
+        model: None,
+        block_size: Some(16),
+        capacity_blocks: None,
+    })
+    .unwrap();
+    let l: crate::input::Lifecycle =
+        rmp_serde::from_slice(&old).expect("an old lifecycle message decodes");
+    assert_eq!((l.op, l.dp_size, l.epoch), (LifecycleOp::Drain, None, None));
+
+    #[derive(serde::Serialize)]
+    struct OldKvEventBatch {
+        worker: WorkerId,
+        model: Option<String>,
+        dp_rank: u32,
+        seq: Option<u64>,
+        events: Vec<KvEvent>,
+    }
+    let old = rmp_serde::to_vec(&OldKvEventBatch {
+        worker: worker(),
+        model: None,
+        dp_rank: 1,
+        seq: Some(4),
+        events: vec![KvEvent::Cleared],
+    })
+    .unwrap();
+    let batch: KvEventBatch = rmp_serde::from_slice(&old).expect("an old KV batch decodes");
+    assert_eq!(
+        (batch.dp_rank, batch.seq, batch.epoch, batch.events),
+        (1, Some(4), None, vec![KvEvent::Cleared]),
+        "an old batch reads with no epoch"
+    );
+}
