@@ -10,7 +10,8 @@
 //!   `Kv-Seq` / `Kv-Epoch` / `Kv-Model` / `Kv-Dp-Rank` headers parsed by [`parse_kv_headers`];
 //! - [`decode_load`]: `kv.load.<worker>` load samples (§3.2);
 //! - [`decode_lifecycle`]: `kv.workers.<worker>` lifecycle messages (§3.3);
-//! - [`encode_vllm_batch`], [`encode_load`], [`encode_lifecycle`]: the publishing side, used by
+//! - [`encode_vllm_batch`], [`encode_load`], [`encode_lifecycle`] / [`encode_lifecycle_message`]:
+//!   the publishing side, used by
 //!   the simulator, the bridge and integration tests.
 //!
 //! The payloads are walked as an [`rmpv::ValueRef`] tree that borrows strings and byte strings
@@ -28,7 +29,10 @@ mod tests;
 #[cfg(test)]
 mod tests_engines;
 
-pub use encode::{encode_lifecycle, encode_load, encode_vllm_batch, VllmEvent};
+pub use encode::{
+    encode_lifecycle, encode_lifecycle_message, encode_load, encode_vllm_batch, LifecycleMessage,
+    VllmEvent,
+};
 pub use kv::decode_kv_batch;
 pub use lifecycle::decode_lifecycle;
 pub use load::decode_load;

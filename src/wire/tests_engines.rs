@@ -658,6 +658,47 @@ fn lifecycle_dp_size_and_epoch_decode() {
 }
 
 #[test]
+fn an_encoded_lifecycle_message_round_trips_every_field() {
+    let message = LifecycleMessage {
+        op: LifecycleOp::Join,
+        model: Some("m"),
+        block_size: Some(16),
+        capacity_blocks: Some(4096),
+        dp_size: Some(2),
+        epoch: Some("boot-7"),
+    };
+    let (l, rejected) = decode_lifecycle(&encode_lifecycle_message(&message), worker()).unwrap();
+    assert!(rejected.is_empty(), "nothing rejected: {rejected:?}");
+    assert_eq!(
+        (
+            l.op,
+            l.model.as_deref(),
+            l.block_size,
+            l.capacity_blocks,
+            l.dp_size,
+            l.epoch.as_deref()
+        ),
+        (
+            LifecycleOp::Join,
+            Some("m"),
+            Some(16),
+            Some(4096),
+            Some(2),
+            Some("boot-7")
+        ),
+        "every field round-trips"
+    );
+    assert_eq!(
+        encode_lifecycle(LifecycleOp::Leave, None, Some(16), None),
+        encode_lifecycle_message(&LifecycleMessage {
+            block_size: Some(16),
+            ..LifecycleMessage::new(LifecycleOp::Leave)
+        }),
+        "the short form writes the same bytes"
+    );
+}
+
+#[test]
 fn every_bad_lifecycle_field_is_rejected_on_its_own_and_the_op_kept() {
     let too_long = "m".repeat(257);
     let bad = json!({
