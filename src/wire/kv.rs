@@ -27,8 +27,9 @@ use super::KvHeaders;
 use crate::hashing::local_hash;
 use crate::input::{KvEvent, KvEventBatch, Medium, RejectReason, Rejection, StoredBlock, WorkerId};
 
-/// Longest LoRA name accepted, in bytes: the core keeps every name as a namespace, so a
-/// hostile publisher must not be able to make it hold megabytes of them.
+/// Longest name accepted, in bytes, for the names the core keeps (a LoRA name, `Kv-Model`, a
+/// load sample's or lifecycle message's `model`): each becomes a namespace or a worker's model,
+/// so a hostile publisher must not be able to make the core hold megabytes of them.
 pub(super) const MAX_NAME_LEN: usize = 256;
 
 /// Decodes a `kv.events.<worker>` payload into the core's batch.
