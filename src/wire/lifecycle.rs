@@ -9,9 +9,9 @@
 
 use rmpv::ValueRef;
 
+use super::is_valid_epoch;
 use super::kv::MAX_NAME_LEN;
 use super::value::{as_str, got, kind, map_get, present, read_single, shorten};
-use super::MAX_EPOCH_LEN;
 use crate::input::{Lifecycle, LifecycleOp, RejectReason, Rejection, WorkerId};
 
 /// Decodes a `kv.workers.<worker>` payload into the lifecycle message and the rejections of its
@@ -122,11 +122,7 @@ fn name(v: &ValueRef<'_>) -> Option<String> {
 
 /// The `Kv-Epoch` rule; a lifecycle `epoch` is not trimmed (it is not a header).
 fn epoch_string(v: &ValueRef<'_>) -> Option<String> {
-    as_str(v)
-        .filter(|s| {
-            !s.is_empty() && s.len() <= MAX_EPOCH_LEN && s.bytes().all(|b| b.is_ascii_graphic())
-        })
-        .map(str::to_owned)
+    as_str(v).filter(|s| is_valid_epoch(s)).map(str::to_owned)
 }
 
 fn positive_u32(v: &ValueRef<'_>) -> Option<u32> {

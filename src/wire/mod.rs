@@ -96,11 +96,15 @@ pub fn parse_kv_headers(
     })
 }
 
-/// `Kv-Epoch`: 1 to 64 printable ASCII characters, no spaces (after trimming).
+/// An epoch (`Kv-Epoch`, a lifecycle `epoch`): 1 to 64 printable ASCII characters, no spaces.
+pub(crate) fn is_valid_epoch(s: &str) -> bool {
+    !s.is_empty() && s.len() <= MAX_EPOCH_LEN && s.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// `Kv-Epoch`, trimmed, by [`is_valid_epoch`].
 fn parse_epoch(raw: &str) -> Result<String, Rejection> {
     let s = raw.trim();
-    let printable = s.bytes().all(|b| b.is_ascii_graphic());
-    if !s.is_empty() && s.len() <= MAX_EPOCH_LEN && printable {
+    if is_valid_epoch(s) {
         Ok(s.to_owned())
     } else {
         let shown: String = raw.chars().take(MAX_EPOCH_LEN + 8).collect();
