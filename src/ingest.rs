@@ -62,13 +62,14 @@ fn parse_subject<'a>(prefix: &str, subject: &'a str) -> Result<(Kind, &'a str), 
     Ok((kind, worker))
 }
 
-/// Decodes one message into an input.
+/// Decodes one message into an input, with the rejections of the parts of it that were left
+/// out (a lifecycle message's bad optional fields): those are counted, the input still applied.
 fn decode(
     settings: &IngestSettings,
     subject: &str,
     headers: Option<&HeaderMap>,
     payload: &[u8],
-) -> Result<Input, Rejection> {
+) -> Result<(Input, Vec<Rejection>), Rejection> {
     let (kind, worker) = parse_subject(&settings.subject_prefix, subject)?;
     let worker = WorkerId::new(worker)
         .map_err(|e| Rejection::new(RejectReason::InvalidWorkerId, e.to_string()))?;
@@ -85,26 +86,29 @@ fn decode(
     let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
     match kind {
         Kind::Events => {
-            let mut headers =
-                wire::parse_kv_headers(header("Kv-Seq"), header("Kv-Model"), header("Kv-Dp-Rank"))?;
-            headers.epoch = header("Kv-Epoch").map(wire::parse_kv_epoch).transpose()?;
-            wire::decode_kv_batch(payload, worker, headers).map(Input::KvEvents)
+            let headers = wire::parse_kv_headers(
+                header("Kv-Seq"),
+                header("Kv-Model"),
+                header("Kv-Dp-Rank"),
+                header("Kv-Epoch"),
+            )?;
+            let batch = wire::decode_kv_batch(payload, worker, headers)?;
+            Ok((Input::KvEvents(batch), Vec::new()))
         }
         Kind::Load => {
+            let headers =
+                wire::parse_kv_headers(None, header("Kv-Model"), header("Kv-Dp-Rank"), None)?;
             let mut sample = wire::decode_load(payload, worker)?;
-            if let Some(rank) = header("Kv-Dp-Rank") {
-                sample.dp_rank = wire::parse_kv_headers(None, None, Some(rank))?
-                    .dp_rank
-                    .unwrap_or(0);
-            }
             if sample.model.is_none() {
-                sample.model = header("Kv-Model")
-                    .filter(|m| !m.is_empty())
-                    .map(str::to_owned);
+                sample.model = headers.model;
             }
-            Ok(Input::Load(sample))
+            sample.dp_rank = headers.dp_rank.unwrap_or(0);
+            Ok((Input::Load(sample), Vec::new()))
         }
-        Kind::Workers => wire::decode_lifecycle(payload, worker).map(Input::Lifecycle),
+        Kind::Workers => {
+            let (lifecycle, rejected) = wire::decode_lifecycle(payload, worker)?;
+            Ok((Input::Lifecycle(lifecycle), rejected))
+        }
     }
 }
 
@@ -129,7 +133,8 @@ async fn run_core(
                 tracing::info!(subject, "subscribed");
                 while let Some(msg) = sub.next().await {
                     match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
-                        Ok(input) => {
+                        Ok((input, rejected)) => {
+                            rejected.iter().for_each(|r| reject(r, "nats"));
                             if writer.submit(input, "nats", None).await.is_err() {
                                 return;
                             }
@@ -220,7 +225,8 @@ async fn run_jetstream(
                     cumulative,
                 };
                 match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
-                    Ok(input) => {
+                    Ok((input, rejected)) => {
+                        rejected.iter().for_each(|r| reject(r, "jetstream"));
                         if writer.submit(input, "jetstream", Some(ack)).await.is_err() {
                             return Ok(());
                         }
@@ -314,5 +320,90 @@ mod tests {
             "a dotted worker token is passed on to be rejected by the id rule"
         );
         assert!(parse_subject("kv", "other.events.w").is_err());
+    }
+
+    fn settings() -> IngestSettings {
+        IngestSettings {
+            subject_prefix: "kv".into(),
+            stream: "KVROUTED".into(),
+            consumer: "kvrouted".into(),
+            jetstream: true,
+            max_payload_bytes: 1 << 20,
+        }
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, *v);
+        }
+        h
+    }
+
+    #[test]
+    fn kv_epoch_header_reaches_the_batch_and_a_bad_one_rejects_it() {
+        let payload = wire::encode_vllm_batch(1.0, &[wire::VllmEvent::AllBlocksCleared], None);
+        let h = headers(&[("Kv-Epoch", "boot-2"), ("Kv-Seq", "3")]);
+        match decode(&settings(), "kv.events.w", Some(&h), &payload) {
+            Ok((Input::KvEvents(batch), rejected)) => {
+                assert_eq!(
+                    (batch.epoch.as_deref(), batch.seq, rejected.len()),
+                    (Some("boot-2"), Some(3), 0),
+                    "the batch carries Kv-Epoch and Kv-Seq"
+                );
+            }
+            other => panic!("expected a KV batch, got {other:?}"),
+        }
+        let h = headers(&[("Kv-Epoch", "boot 2")]);
+        assert_eq!(
+            decode(&settings(), "kv.events.w", Some(&h), &payload)
+                .unwrap_err()
+                .reason,
+            RejectReason::InvalidHeader,
+            "an unreadable Kv-Epoch rejects the batch"
+        );
+    }
+
+    #[test]
+    fn a_load_sample_takes_its_dp_rank_from_the_header() {
+        let payload = wire::encode_load(0.5, 1, 0, None, 0.0, None);
+        let h = headers(&[("Kv-Dp-Rank", "3"), ("Kv-Model", "m")]);
+        match decode(&settings(), "kv.load.w", Some(&h), &payload) {
+            Ok((Input::Load(sample), _)) => assert_eq!(
+                (sample.dp_rank, sample.model.as_deref()),
+                (3, Some("m")),
+                "Kv-Dp-Rank and Kv-Model fill the sample"
+            ),
+            other => panic!("expected a load sample, got {other:?}"),
+        }
+        match decode(&settings(), "kv.load.w", None, &payload) {
+            Ok((Input::Load(sample), _)) => assert_eq!(sample.dp_rank, 0, "no header: rank 0"),
+            other => panic!("expected a load sample, got {other:?}"),
+        }
+        let h = headers(&[("Kv-Dp-Rank", "-1")]);
+        assert_eq!(
+            decode(&settings(), "kv.load.w", Some(&h), &payload)
+                .unwrap_err()
+                .reason,
+            RejectReason::InvalidHeader,
+            "an unreadable Kv-Dp-Rank rejects the sample"
+        );
+    }
+
+    #[test]
+    fn a_lifecycle_message_with_a_bad_field_is_handed_on_with_its_rejection() {
+        let payload = rmp_serde::to_vec(&serde_json::json!({"op": "drain", "block_size": "16"}))
+            .expect("encodes");
+        match decode(&settings(), "kv.workers.w", None, &payload) {
+            Ok((Input::Lifecycle(l), rejected)) => {
+                assert_eq!(l.op, crate::input::LifecycleOp::Drain, "the drain is kept");
+                assert_eq!(
+                    rejected.iter().map(|r| r.reason).collect::<Vec<_>>(),
+                    vec![RejectReason::InvalidField],
+                    "the bad field is returned to be counted"
+                );
+            }
+            other => panic!("expected a lifecycle message, got {other:?}"),
+        }
     }
 }

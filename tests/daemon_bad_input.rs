@@ -158,6 +158,19 @@ async fn bad_nats_input_on_every_subject_is_dropped_with_a_counted_reason_and_ch
         stored(vec![3], prompt(53, 1), 16),
     )
     .await;
+    // An unreadable Kv-Epoch (a space inside), and a batch whose ts is NaN.
+    w.publish_js(
+        "kv.events.owner",
+        headers(&[("Kv-Epoch", "engine 2")]),
+        stored(vec![5], prompt(55, 1), 16),
+    )
+    .await;
+    let nan_ts = mp(Mp::Array(vec![
+        Mp::F64(f64::NAN),
+        Mp::Array(vec![Mp::Array(vec![Mp::from("AllBlocksCleared")])]),
+        Mp::Nil,
+    ]));
+    w.publish_js("kv.events.owner", none(), nan_ts).await;
     w.publish_js(
         "kv.events.owner",
         none(),
@@ -206,10 +219,10 @@ async fn bad_nats_input_on_every_subject_is_dropped_with_a_counted_reason_and_ch
         ("block_size_mismatch", 1.0),
         ("token_count_mismatch", 1.0),
         ("unknown_event_tag", 1.0),
-        ("invalid_header", 1.0),
+        ("invalid_header", 2.0),
         ("oversize_payload", 1.0),
         ("invalid_load_value", 5.0),
-        ("invalid_field", 2.0),
+        ("invalid_field", 3.0),
         ("invalid_worker_id", 4.0),
         ("unknown_lifecycle_op", 1.0),
     ];
@@ -453,4 +466,31 @@ async fn bad_http_requests_get_a_status_and_a_one_line_error_and_change_nothing(
         s.daemon.is_running(),
         "the daemon process survives every bad request"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lifecycle_message_with_a_bad_field_is_applied_without_it_and_the_field_is_counted() {
+    let mut s = setup().await;
+    let d = &s.daemon;
+    // A drain whose block_size has the wrong type: the field is rejected, the drain applied.
+    let drain = mp(Mp::Map(vec![
+        (Mp::from("op"), Mp::from("drain")),
+        (Mp::from("block_size"), Mp::from("16")),
+    ]));
+    s.owner
+        .publish_js("kv.workers.owner", headers(&[]), drain)
+        .await;
+    d.wait_state("owner", "draining").await;
+    d.wait_rejected("invalid_field", 1.0).await;
+    assert_eq!(
+        d.rejected("invalid_field").await,
+        1.0,
+        "the bad field is counted once, under invalid_field"
+    );
+    assert_eq!(
+        d.blocks().await.get("owner").copied(),
+        Some(8),
+        "a drain keeps the worker's ownership"
+    );
+    assert!(s.daemon.is_running(), "the daemon keeps running");
 }

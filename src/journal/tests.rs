@@ -159,13 +159,13 @@ pub(crate) fn traffic(i: u64) -> Input {
             )
         }),
         2 => Input::Load(LoadSample {
-            dp_rank: 0,
             worker: worker(w),
             kv_usage: (i % 10) as f64 / 10.0,
             running: 1,
             waiting: 0,
             max_running: Some(8),
             model: None,
+            dp_rank: 0,
         }),
         _ => Input::Route(RouteRequest {
             model: None,

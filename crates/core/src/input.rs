@@ -225,11 +225,14 @@ pub struct KvEventBatch {
     pub dp_rank: u32,
     /// `Kv-Seq` publisher sequence; batches without one apply in arrival order.
     pub seq: Option<u64>,
+    pub events: Vec<KvEvent>,
     /// `Kv-Epoch`: the publisher's incarnation (1–64 chars). A new epoch means the engine
     /// restarted. None = no header.
+    ///
+    /// Last, because the journal writes structs as arrays: a batch journaled before this field
+    /// existed ends after `events` and still reads, with no epoch.
     #[serde(default)]
     pub epoch: Option<String>,
-    pub events: Vec<KvEvent>,
 }
 
 impl KvEventBatch {

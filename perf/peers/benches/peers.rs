@@ -806,6 +806,7 @@ impl Subject for FullRouter {
             model: None,
             dp_rank: 0,
             seq: None,
+            epoch: None,
             events: vec![KvEvent::Removed {
                 engine_hashes: engines.to_vec(),
                 medium: Medium::Gpu,

@@ -22,7 +22,6 @@ fn id(s: &str) -> WorkerId {
 /// A `BlockStored` event of one block (engine hash = local).
 fn one_block(local: u64, block_size: u32, medium: Medium) -> KvEvent {
     KvEvent::Stored {
-        full_attention: true,
         parent: None,
         blocks: vec![StoredBlock {
             engine_hash: local,
@@ -31,6 +30,7 @@ fn one_block(local: u64, block_size: u32, medium: Medium) -> KvEvent {
         block_size,
         lora: None,
         medium,
+        full_attention: true,
     }
 }
 
@@ -740,7 +740,6 @@ fn namespaces_keep_models_and_loras_apart() {
         seq: None,
         epoch: None,
         events: vec![KvEvent::Stored {
-            full_attention: true,
             parent: None,
             blocks: vec![StoredBlock {
                 engine_hash: 1,
@@ -749,6 +748,7 @@ fn namespaces_keep_models_and_loras_apart() {
             block_size: BLOCK,
             lora: Some("sql".into()),
             medium: Medium::Gpu,
+            full_attention: true,
         }],
     }));
     assert!(matches!(out, Output::Ingested(_)));
@@ -1254,10 +1254,18 @@ fn ranks_are_candidates_of_their_own_and_one_ranks_clear_leaves_the_others_block
         r.sort();
         r
     };
-    assert_eq!(ranks(&fleet), [0, 1, 2], "a join declares every rank a candidate");
+    assert_eq!(
+        ranks(&fleet),
+        [0, 1, 2],
+        "a join declares every rank a candidate"
+    );
     join.dp_size = Some(1);
     fleet.join(join);
-    assert_eq!(ranks(&fleet), [0], "a join with fewer ranks drops the others");
+    assert_eq!(
+        ranks(&fleet),
+        [0],
+        "a join with fewer ranks drops the others"
+    );
     fleet.store("single", &[5, 6]);
     let d = fleet.route(&[5, 6]);
     assert_eq!(

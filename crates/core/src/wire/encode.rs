@@ -1,11 +1,12 @@
 //! Encoders: the publishing side of the wire contract, used by the simulator, the bridge and the
 //! integration tests to put on NATS exactly what a vLLM worker would.
 //!
-//! KV event batches are byte-for-byte what msgspec writes for vLLM's structs (declared with
-//! `array_like=True, tag=True, omit_defaults=True`). msgspec ignores `omit_defaults` for
-//! array-like structs, so every declared field is written, `None` as nil: a batch is always
-//! `[ts, events, data_parallel_rank]` and a `BlockStored` always has its nine fields. The
-//! fixtures in `tests/fixtures/kv_events/` (written by msgspec) pin this down.
+//! KV event batches are byte-for-byte what msgspec writes for vLLM's positional structs (releases
+//! before 0.33, declared with `array_like=True, tag=True, omit_defaults=True`). msgspec ignores
+//! `omit_defaults` for array-like structs, so every declared field is written, `None` as nil: a
+//! batch is always `[ts, events, data_parallel_rank]` and a `BlockStored` always has its nine
+//! fields. The fixtures in `tests/fixtures/kv_events/` (written by msgspec) pin this down; those
+//! of the current layouts (tagged-map events) are there too, for publishers that need them.
 
 use rmpv::Value;
 
@@ -66,29 +67,69 @@ pub fn encode_load(
     to_bytes(&Value::Map(map))
 }
 
-/// A lifecycle message (DESIGN.md §3.3) as a map: `op, [model], [block_size],
-/// [capacity_blocks]`; absent optionals are left out.
+/// A lifecycle message as a map: `op, [model], [block_size], [capacity_blocks]`; absent
+/// optionals are left out. [`encode_lifecycle_message`] writes every field.
 pub fn encode_lifecycle(
     op: LifecycleOp,
     model: Option<&str>,
     block_size: Option<u32>,
     capacity_blocks: Option<u64>,
 ) -> Vec<u8> {
-    let op = match op {
+    encode_lifecycle_message(&LifecycleMessage {
+        op,
+        model,
+        block_size,
+        capacity_blocks,
+        ..LifecycleMessage::new(op)
+    })
+}
+
+/// The fields of a lifecycle message, for [`encode_lifecycle_message`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LifecycleMessage<'a> {
+    pub op: LifecycleOp,
+    pub model: Option<&'a str>,
+    pub block_size: Option<u32>,
+    pub capacity_blocks: Option<u64>,
+    /// Data-parallel ranks the worker runs.
+    pub dp_size: Option<u32>,
+    /// The engine incarnation (the `Kv-Epoch` the worker publishes with).
+    pub epoch: Option<&'a str>,
+}
+
+impl LifecycleMessage<'_> {
+    /// `op` with no optional field.
+    pub fn new(op: LifecycleOp) -> Self {
+        LifecycleMessage {
+            op,
+            model: None,
+            block_size: None,
+            capacity_blocks: None,
+            dp_size: None,
+            epoch: None,
+        }
+    }
+}
+
+/// A lifecycle message as a map: `op, [model], [block_size], [capacity_blocks], [dp_size],
+/// [epoch]`; absent optionals are left out.
+pub fn encode_lifecycle_message(message: &LifecycleMessage<'_>) -> Vec<u8> {
+    let op = match message.op {
         LifecycleOp::Join => "join",
         LifecycleOp::Drain => "drain",
         LifecycleOp::Leave => "leave",
     };
     let mut map = vec![(Value::from("op"), Value::from(op))];
-    if let Some(model) = model {
-        map.push((Value::from("model"), Value::from(model)));
-    }
-    if let Some(bs) = block_size {
-        map.push((Value::from("block_size"), Value::from(bs)));
-    }
-    if let Some(cap) = capacity_blocks {
-        map.push((Value::from("capacity_blocks"), Value::from(cap)));
-    }
+    let mut put = |key: &str, value: Option<Value>| {
+        if let Some(v) = value {
+            map.push((Value::from(key), v));
+        }
+    };
+    put("model", message.model.map(Value::from));
+    put("block_size", message.block_size.map(Value::from));
+    put("capacity_blocks", message.capacity_blocks.map(Value::from));
+    put("dp_size", message.dp_size.map(Value::from));
+    put("epoch", message.epoch.map(Value::from));
     to_bytes(&Value::Map(map))
 }
 

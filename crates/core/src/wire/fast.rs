@@ -1,5 +1,6 @@
-//! A single-pass decoder for the layout vLLM's publisher actually emits: an array batch of
-//! tagged-array events (`[ts, [["BlockStored", ...], ...], dp_rank]`).
+//! A single-pass decoder for the layouts the engines' publishers actually emit: an array batch of
+//! tagged-map events (`[ts, [{"type": "BlockStored", ...}, ...], dp_rank]`, vLLM 0.33 and SGLang
+//! 0.5.23) or of tagged-array events (`[ts, [["BlockStored", ...], ...], dp_rank]`, older vLLM).
 //!
 //! Building the [`rmpv::ValueRef`] tree for a 32-block batch costs ~14 µs, most of the daemon's
 //! ingest budget; reading the same bytes straight into the token buffer costs a fraction of
@@ -9,6 +10,7 @@
 
 use rmp::Marker;
 
+use super::kv::{bin_hash, is_full_attention_kind, medium_of, MAX_NAME_LEN, SPEC_KIND_POS};
 use crate::hashing::local_hash;
 use crate::input::{KvEvent, Medium, StoredBlock};
 
@@ -116,14 +118,22 @@ impl<'a> Cursor<'a> {
         self.str_after(m)
     }
 
-    /// A block hash: uint64, negative int64 (cast), or 32-byte bin (last 8 bytes, big-endian).
+    /// The bytes of a bin value whose marker was just read.
+    fn bin_after(&mut self, m: Marker) -> Option<&'a [u8]> {
+        let len = match m {
+            Marker::Bin8 => self.be::<1>()?[0] as usize,
+            Marker::Bin16 => u16::from_be_bytes(self.be()?) as usize,
+            Marker::Bin32 => u32::from_be_bytes(self.be()?) as usize,
+            _ => return None,
+        };
+        self.bytes(len)
+    }
+
+    /// A block hash: an integer of any width (negative int64 cast), or a bin digest read as
+    /// the tolerant decoder reads it.
     fn hash(&mut self) -> Option<u64> {
         match self.marker()? {
-            Marker::Bin8 => {
-                let len = self.be::<1>()?[0] as usize;
-                let bin = self.bytes(len)?;
-                (len == 32).then(|| u64::from_be_bytes(bin[24..].try_into().unwrap()))
-            }
+            m @ (Marker::Bin8 | Marker::Bin16 | Marker::Bin32) => bin_hash(self.bin_after(m)?),
             m => match self.int_after(m)? {
                 Int::Pos(v) => Some(v),
                 Int::Neg(v) => Some(v as u64),
@@ -131,12 +141,14 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    fn number(&mut self) -> Option<()> {
-        match self.marker()? {
-            Marker::F32 => self.be::<4>().map(drop),
-            Marker::F64 => self.be::<8>().map(drop),
-            m => self.int_after(m).map(drop),
-        }
+    /// A finite number (float or integer).
+    fn finite_number(&mut self) -> Option<()> {
+        let finite = match self.marker()? {
+            Marker::F32 => f32::from_be_bytes(self.be()?).is_finite(),
+            Marker::F64 => f64::from_be_bytes(self.be()?).is_finite(),
+            m => self.int_after(m).is_some(),
+        };
+        finite.then_some(())
     }
 
     /// Skips one value of any type.
@@ -152,9 +164,7 @@ impl<'a> Cursor<'a> {
             Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => {
                 return self.str_after(m).map(drop)
             }
-            Marker::Bin8 => self.be::<1>()?[0] as usize,
-            Marker::Bin16 => u16::from_be_bytes(self.be()?) as usize,
-            Marker::Bin32 => u32::from_be_bytes(self.be()?) as usize,
+            Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => return self.bin_after(m).map(drop),
             Marker::FixArray(n) => return self.skip_n(n as usize, depth),
             Marker::Array16 => {
                 let n = u16::from_be_bytes(self.be()?) as usize;
@@ -196,8 +206,7 @@ impl<'a> Cursor<'a> {
         if self.nil() {
             return Some(Medium::Gpu);
         }
-        let s = self.str()?;
-        Some(Medium::from_name(s))
+        self.str().map(medium_of)
     }
 }
 
@@ -213,7 +222,7 @@ pub(super) fn decode_vllm_array(payload: &[u8]) -> Option<(Option<u32>, Vec<KvEv
         return None;
     }
     if !c.nil() {
-        c.number()?;
+        c.finite_number()?;
     }
     let n_events = c.array_len()?;
     let mut events = Vec::with_capacity(n_events.min(1024));
@@ -231,14 +240,16 @@ pub(super) fn decode_vllm_array(payload: &[u8]) -> Option<(Option<u32>, Vec<KvEv
 }
 
 fn event(c: &mut Cursor<'_>, tokens: &mut Vec<u32>) -> Option<KvEvent> {
+    if let Some(entries) = c.map_len() {
+        return map_event(c, entries, tokens);
+    }
     let len = c.array_len()?;
     let tag = c.str()?;
     // Fields after the tag that this function reads; the rest are skipped.
     let (event, read) = match tag {
         "BlockStored" if len >= 5 => stored(c, len - 1, tokens)?,
         "BlockRemoved" if len >= 2 => {
-            let n = c.array_len()?;
-            let engine_hashes = (0..n).map(|_| c.hash()).collect::<Option<Vec<_>>>()?;
+            let engine_hashes = c.hashes()?;
             let medium = if len >= 3 { c.medium()? } else { Medium::Gpu };
             (
                 KvEvent::Removed {
@@ -255,69 +266,226 @@ fn event(c: &mut Cursor<'_>, tokens: &mut Vec<u32>) -> Option<KvEvent> {
     Some(event)
 }
 
-/// `BlockStored` fields after the tag: `fields` of them are present (at least 4).
-fn stored(c: &mut Cursor<'_>, fields: usize, tokens: &mut Vec<u32>) -> Option<(KvEvent, usize)> {
-    let n = c.array_len()?;
-    let mut blocks = (0..n)
-        .map(|_| {
-            c.hash().map(|engine_hash| StoredBlock {
-                engine_hash,
-                local: 0,
-            })
-        })
-        .collect::<Option<Vec<_>>>()?;
-    let parent = if c.nil() { None } else { Some(c.hash()?) };
-    let n_tokens = c.array_len()?;
-    // Every token takes at least one byte: a larger count is a lie, not a reason to allocate.
-    if n_tokens > c.buf.len() - c.pos {
-        return None;
+impl<'a> Cursor<'a> {
+    /// The entry count of a map, consumed only if a map is next.
+    fn map_len(&mut self) -> Option<usize> {
+        let start = self.pos;
+        let n = match self.marker()? {
+            Marker::FixMap(n) => Some(n as usize),
+            Marker::Map16 => self.be().map(|b| u16::from_be_bytes(b) as usize),
+            Marker::Map32 => self.be().map(|b| u32::from_be_bytes(b) as usize),
+            _ => None,
+        };
+        if n.is_none() {
+            self.pos = start;
+        }
+        n
     }
-    tokens.clear();
-    tokens.reserve(n_tokens);
-    for _ in 0..n_tokens {
-        tokens.push(c.u32()?); // bigram pairs are arrays: the tolerant decoder handles them
+
+    fn hashes(&mut self) -> Option<Vec<u64>> {
+        let n = self.array_len()?;
+        (0..n).map(|_| self.hash()).collect()
     }
-    let block_size = c.u32().filter(|&bs| bs > 0)?;
-    if blocks.len().checked_mul(block_size as usize) != Some(tokens.len()) {
-        return None;
+
+    /// `nil` or a block hash.
+    fn parent(&mut self) -> Option<Option<u64>> {
+        if self.nil() {
+            Some(None)
+        } else {
+            self.hash().map(Some)
+        }
     }
-    for (block, chunk) in blocks
-        .iter_mut()
-        .zip(tokens.chunks_exact(block_size as usize))
-    {
-        block.local = local_hash(chunk);
+
+    /// Plain token ids into `tokens`; bigram pairs are arrays and left to the tolerant decoder.
+    fn tokens(&mut self, tokens: &mut Vec<u32>) -> Option<()> {
+        let n = self.array_len()?;
+        // Every token takes at least one byte: a larger count is a lie, not a reason to allocate.
+        if n > self.buf.len() - self.pos {
+            return None;
+        }
+        tokens.clear();
+        tokens.reserve(n);
+        for _ in 0..n {
+            tokens.push(self.u32()?);
+        }
+        Some(())
     }
-    let lora_id = if fields >= 5 && !c.nil() {
-        Some(match c.int()? {
+
+    fn block_size(&mut self) -> Option<u32> {
+        self.u32().filter(|&bs| bs > 0)
+    }
+
+    /// `nil` or an integer LoRA id, as the namespace string it becomes.
+    fn lora_id(&mut self) -> Option<Option<String>> {
+        if self.nil() {
+            return Some(None);
+        }
+        Some(Some(match self.int()? {
             Int::Pos(v) => v.to_string(),
             Int::Neg(v) => v.to_string(),
-        })
-    } else {
-        None
-    };
-    let medium = if fields >= 6 {
-        c.medium()?
-    } else {
-        Medium::Gpu
-    };
-    let lora_name = if fields >= 7 && !c.nil() {
-        Some(c.str()?)
-    } else {
-        None
-    };
-    let lora = match lora_name.filter(|name| !name.is_empty()) {
+        }))
+    }
+
+    /// `nil` or a LoRA name within the cap; anything else (SGLang's older metadata map, an
+    /// oversize name) is left to the tolerant decoder.
+    fn lora_name(&mut self) -> Option<Option<&'a str>> {
+        if self.nil() {
+            return Some(None);
+        }
+        self.str()
+            .filter(|name| name.len() <= MAX_NAME_LEN)
+            .map(Some)
+    }
+
+    /// `nil` or a string kind; any other value is left to the tolerant decoder.
+    fn full_attention(&mut self) -> Option<bool> {
+        if self.nil() {
+            return Some(true);
+        }
+        self.str().map(is_full_attention_kind)
+    }
+}
+
+/// The LoRA namespace: a non-empty name, else the id.
+fn lora(lora_id: Option<String>, lora_name: Option<&str>) -> Option<String> {
+    match lora_name.filter(|name| !name.is_empty()) {
         Some(name) => Some(name.to_owned()),
         None => lora_id,
-    };
-    let event = KvEvent::Stored {
-        full_attention: true,
+    }
+}
+
+/// The stored event from its decoded fields: checks the token count and hashes each block.
+fn stored_event(
+    hashes: Vec<u64>,
+    parent: Option<u64>,
+    tokens: &[u32],
+    block_size: u32,
+    lora: Option<String>,
+    medium: Medium,
+    full_attention: bool,
+) -> Option<KvEvent> {
+    let bs = block_size as usize;
+    if hashes.len().checked_mul(bs) != Some(tokens.len()) {
+        return None;
+    }
+    let blocks = hashes
+        .into_iter()
+        .zip(tokens.chunks_exact(bs))
+        .map(|(engine_hash, chunk)| StoredBlock {
+            engine_hash,
+            local: local_hash(chunk),
+        })
+        .collect();
+    Some(KvEvent::Stored {
         parent,
         blocks,
         block_size,
         lora,
         medium,
+        full_attention,
+    })
+}
+
+/// `BlockStored` fields after the tag: `fields` of them are present (at least 4).
+fn stored(c: &mut Cursor<'_>, fields: usize, tokens: &mut Vec<u32>) -> Option<(KvEvent, usize)> {
+    let hashes = c.hashes()?;
+    let parent = c.parent()?;
+    c.tokens(tokens)?;
+    let block_size = c.block_size()?;
+    let lora_id = if fields >= 5 { c.lora_id()? } else { None };
+    let medium = if fields >= 6 {
+        c.medium()?
+    } else {
+        Medium::Gpu
     };
-    Some((event, fields.min(7)))
+    let lora_name = if fields >= 7 { c.lora_name()? } else { None };
+    let mut read = fields.min(7);
+    let mut full_attention = true;
+    if fields > SPEC_KIND_POS {
+        c.skip_n(SPEC_KIND_POS - read, 0)?; // extra_keys, group_idx
+        full_attention = c.full_attention()?;
+        read = SPEC_KIND_POS + 1;
+    }
+    let event = stored_event(
+        hashes,
+        parent,
+        tokens,
+        block_size,
+        lora(lora_id, lora_name),
+        medium,
+        full_attention,
+    )?;
+    Some((event, read))
+}
+
+/// A tagged-map event (`{"type": tag, name: value, ...}`, what vLLM 0.33 and SGLang 0.5.23
+/// send), in one pass over its `entries`. The fields the tolerant decoder reads are read here
+/// with its rules; every other key is skipped unread, as it ignores them. A repeated key (the
+/// tolerant decoder takes the last one), a non-string key or anything unusual returns `None`.
+fn map_event(c: &mut Cursor<'_>, entries: usize, tokens: &mut Vec<u32>) -> Option<KvEvent> {
+    let mut tag = None;
+    let mut hashes = None;
+    let mut parent = None;
+    let mut have_tokens = false;
+    let mut block_size = None;
+    let mut lora_id = None;
+    let mut medium = None;
+    let mut lora_name = None;
+    let mut full_attention = None;
+    let mut seen = 0u16;
+    for _ in 0..entries {
+        let key = c.str()?;
+        let bit = match key {
+            "type" => 1,
+            "block_hashes" => 1 << 1,
+            "parent_block_hash" => 1 << 2,
+            "token_ids" => 1 << 3,
+            "block_size" => 1 << 4,
+            "lora_id" => 1 << 5,
+            "medium" => 1 << 6,
+            "lora_name" => 1 << 7,
+            "kv_cache_spec_kind" => 1 << 8,
+            _ => {
+                c.skip(0)?;
+                continue;
+            }
+        };
+        if seen & bit != 0 {
+            return None;
+        }
+        seen |= bit;
+        match key {
+            "type" => tag = Some(c.str()?),
+            "block_hashes" => hashes = Some(c.hashes()?),
+            "parent_block_hash" => parent = c.parent()?,
+            "token_ids" => {
+                c.tokens(tokens)?;
+                have_tokens = true;
+            }
+            "block_size" => block_size = Some(c.block_size()?),
+            "lora_id" => lora_id = c.lora_id()?,
+            "medium" => medium = Some(c.medium()?),
+            "lora_name" => lora_name = c.lora_name()?,
+            _ => full_attention = Some(c.full_attention()?),
+        }
+    }
+    match tag? {
+        "BlockStored" if have_tokens => stored_event(
+            hashes?,
+            parent,
+            tokens,
+            block_size?,
+            lora(lora_id, lora_name),
+            medium.unwrap_or(Medium::Gpu),
+            full_attention.unwrap_or(true),
+        ),
+        "BlockRemoved" => Some(KvEvent::Removed {
+            engine_hashes: hashes?,
+            medium: medium.unwrap_or(Medium::Gpu),
+        }),
+        "AllBlocksCleared" => Some(KvEvent::Cleared),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -351,12 +519,20 @@ mod tests {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "msgpack") {
-                fast += agrees(&std::fs::read(&path).unwrap()) as usize;
+                let name = path.file_name().unwrap().to_string_lossy().into_owned();
+                let took_fast_path = agrees(&std::fs::read(&path).unwrap());
+                let current_layout =
+                    name.starts_with("vllm_0_33_") || name.starts_with("sglang_0_5_23_");
+                assert!(
+                    took_fast_path || !current_layout,
+                    "{name}: the engines' current layouts take the fast path"
+                );
+                fast += took_fast_path as usize;
             }
         }
         assert!(
-            fast >= 5,
-            "vLLM's own layouts take the fast path ({fast} fixtures did)"
+            fast >= 12,
+            "vLLM's and SGLang's own layouts take the fast path ({fast} fixtures did)"
         );
     }
 

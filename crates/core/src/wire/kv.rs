@@ -1,15 +1,17 @@
-//! KV event batches (DESIGN.md §3.1): exactly what vLLM's and SGLang's ZMQ KV-event publishers
-//! emit, so a worker (or the bridge) forwards the third ZMQ frame untouched.
+//! KV event batches (DESIGN.md §3.1): exactly what vLLM's, SGLang's and TensorRT-LLM's ZMQ
+//! KV-event publishers emit, so a worker (or the bridge) forwards the third ZMQ frame untouched.
 //!
-//! Those publishers encode msgspec structs declared with `array_like=True, tag=True,
-//! omit_defaults=True`. In practice that means:
+//! Those publishers encode msgspec structs. In practice that means:
 //!
-//! - a batch is `[ts, events, data_parallel_rank]`; releases before data-parallel support send
-//!   `[ts, events]`; a publisher building plain dicts sends `{ts, events, data_parallel_rank}`;
-//! - an event is `[tag, field, field, ...]` in declaration order, or `{"type": tag, name: value}`;
-//! - msgspec ignores `omit_defaults` for array-like structs (it writes every field, `None` as
-//!   nil), but releases differ in how many fields they declare, so every field after the
-//!   required ones may be missing or nil, and fields a future release appends are ignored.
+//! - a batch is `[ts, events, dp_rank]` (vLLM's `data_parallel_rank`, SGLang's `attn_dp_rank`);
+//!   releases before data-parallel support send `[ts, events]`; a publisher building plain dicts
+//!   sends `{ts, events, data_parallel_rank}`;
+//! - an event is a tagged map `{"type": tag, name: value}` in current releases (vLLM 0.33,
+//!   SGLang 0.5.23: `tag=True, omit_defaults=True`, so fields left at None are absent), or a
+//!   tagged array `[tag, field, field, ...]` in declaration order in older ones (`array_like`:
+//!   msgspec writes every declared field, `None` as nil, but releases differ in how many fields
+//!   they declare, so every field after the required ones may be missing or nil);
+//! - fields a release adds are ignored, by name or past the last known position.
 //!
 //! The engine's block hashes are opaque to kvrouted: the core keys blocks by their content
 //! ([`crate::hashing`]), so each stored block's tokens are hashed here, in the adapter, into its
@@ -25,9 +27,10 @@ use super::KvHeaders;
 use crate::hashing::local_hash;
 use crate::input::{KvEvent, KvEventBatch, Medium, RejectReason, Rejection, StoredBlock, WorkerId};
 
-/// Length of a bytes block hash (vLLM's sha256-based prefix-cache hashes). vLLM's own
-/// bytes→int conversion for KV events keeps the last 8 bytes, big-endian; so do we.
-const BYTES_HASH_LEN: usize = 32;
+/// Longest name accepted, in bytes, for the names the core keeps (a LoRA name, `Kv-Model`, a
+/// load sample's or lifecycle message's `model`): each becomes a namespace or a worker's model,
+/// so a hostile publisher must not be able to make the core hold megabytes of them.
+pub(super) const MAX_NAME_LEN: usize = 256;
 
 /// Decodes a `kv.events.<worker>` payload into the core's batch.
 ///
@@ -73,7 +76,7 @@ pub(super) fn decode_tolerant(payload: &[u8]) -> Result<(Option<u32>, Vec<KvEven
             Some(events) => (
                 map_get(entries, "ts"),
                 events,
-                map_get(entries, "data_parallel_rank"),
+                map_get(entries, "data_parallel_rank").or_else(|| map_get(entries, "attn_dp_rank")),
             ),
             None => {
                 return Err(malformed(
@@ -90,11 +93,14 @@ pub(super) fn decode_tolerant(payload: &[u8]) -> Result<(Option<u32>, Vec<KvEven
     };
 
     if let Some(ts) = present(ts) {
-        if as_number(ts).is_none() {
-            return Err(invalid(format!(
-                "EventBatch.ts: expected a number, got {}",
-                got(ts)
-            )));
+        match as_number(ts) {
+            Some(t) if t.is_finite() => {}
+            _ => {
+                return Err(invalid(format!(
+                    "EventBatch.ts: expected a finite number, got {}",
+                    got(ts)
+                )))
+            }
         }
     }
     let batch_dp_rank = match present(batch_dp_rank) {
@@ -297,10 +303,22 @@ fn decode_stored(
         Some(other) => return Err(ctx.invalid("lora_id", "an integer or nil", other)),
     };
     let medium = medium(fields.get(5, "medium"), ctx)?;
-    let lora_name = match present(fields.get(6, "lora_name")) {
-        None => None,
-        Some(v) => match as_str(v) {
-            Some(name) => Some(name),
+    let lora_name = match (&fields, present(fields.get(6, "lora_name"))) {
+        (_, None) => None,
+        // SGLang's older array layout puts a metadata map (`{cache_salt}`) at this position.
+        (Fields::Positional(_), Some(ValueRef::Map(_))) => None,
+        (_, Some(v)) => match as_str(v) {
+            Some(name) if name.len() <= MAX_NAME_LEN => Some(name),
+            Some(name) => {
+                return Err(ctx.reject(
+                    RejectReason::InvalidField,
+                    "lora_name",
+                    format_args!(
+                        "{} bytes is longer than the {MAX_NAME_LEN}-byte limit",
+                        name.len()
+                    ),
+                ))
+            }
             None => return Err(ctx.invalid("lora_name", "a string or nil", v)),
         },
     };
@@ -308,18 +326,24 @@ fn decode_stored(
         Some(name) => Some(name.to_owned()),
         None => lora_id.map(|id| id.to_string()),
     };
-    // `extra_keys` (multimodal hashes, cache salt, per-block LoRA keys) and `group_idx` (the KV
-    // cache group of hybrid models) are accepted and ignored: content keys come from the tokens,
-    // and the (model, LoRA) namespace from `lora_name`/`lora_id`. Neither is even type-checked,
-    // so their evolving shapes never reject an otherwise good event.
+    // `extra_keys` (multimodal hashes, cache salt, per-block LoRA keys), `group_idx` (the KV
+    // cache group of hybrid models) and every later field (`kv_cache_spec_sliding_window`,
+    // `locality`, `ownership`, `session_id`, `lookahead_token_ids`; SGLang's `cache_salt`;
+    // TensorRT-LLM's `mm_keys`) are accepted and ignored: content keys come from the tokens, and
+    // the (model, LoRA) namespace from `lora_name`/`lora_id`. None is even type-checked, so their
+    // evolving shapes never reject an otherwise good event.
+    let full_attention = match present(fields.get(SPEC_KIND_POS, "kv_cache_spec_kind")) {
+        Some(v) => as_str(v).is_none_or(is_full_attention_kind),
+        None => true,
+    };
 
     Ok(KvEvent::Stored {
-        full_attention: true,
         parent,
         blocks,
         block_size,
         lora,
         medium,
+        full_attention,
     })
 }
 
@@ -337,19 +361,47 @@ fn decode_removed(fields: &Fields<'_, '_>, ctx: Ctx) -> Result<KvEvent, Rejectio
     })
 }
 
-const HASH_EXPECTED: &str = "a uint64, an int64 or a 32-byte binary hash";
+/// Position of `kv_cache_spec_kind` after the tag in vLLM's positional `BlockStored`:
+/// `block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+/// extra_keys, group_idx, kv_cache_spec_kind, ...`.
+pub(super) const SPEC_KIND_POS: usize = 9;
 
-/// One engine block hash as u64: unsigned ints as they are, negative int64 (Python's `hash()`)
-/// reinterpreted as u64, 32-byte binary (sha256) by its last 8 bytes, big-endian.
+/// Whether a `kv_cache_spec_kind` names a full-attention KV cache group, whose blocks hold the
+/// whole prefix (vLLM's `KVCacheSpecKind`: `full_attention`, `mla_attention` and
+/// `sink_full_attention`). Every other kind (`sliding_window`, `sliding_window_mla`,
+/// `chunked_local_attention`, `mamba`, `encoder_only_attention`, `cross_attention`,
+/// `unknown`) and any string not listed keeps only part of the prefix, so it is no proof that
+/// the prefix is cached.
+pub(super) fn is_full_attention_kind(kind: &str) -> bool {
+    ["full_attention", "mla_attention", "sink_full_attention"]
+        .iter()
+        .any(|k| kind.eq_ignore_ascii_case(k))
+}
+
+const HASH_EXPECTED: &str =
+    "an integer hash, or a binary hash of 8 bytes or a multiple of 16 bytes";
+
+/// One engine block hash as u64: integers of any width (a negative int64, Python's `hash()`,
+/// reinterpreted as u64), or a binary digest by [`bin_hash`].
 fn engine_hash(v: &ValueRef<'_>) -> Option<u64> {
     match v {
         ValueRef::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|n| n as u64)),
-        ValueRef::Binary(b) if b.len() == BYTES_HASH_LEN => {
-            let mut tail = [0u8; 8];
-            tail.copy_from_slice(&b[BYTES_HASH_LEN - 8..]);
-            Some(u64::from_be_bytes(tail))
-        }
+        ValueRef::Binary(b) => bin_hash(b),
         _ => None,
+    }
+}
+
+/// A binary block hash as u64: its last 8 bytes, big-endian, which is exactly what vLLM sends
+/// in its integer mode (`int.from_bytes(digest, "big") & (2**64 - 1)`). Accepted lengths are
+/// 8, or a multiple of 16: xxh3-128 (16 bytes), sha256 (32), and older hybrid-model builds that
+/// concatenated one digest per KV cache group. Anything else is not a digest we know.
+pub(super) fn bin_hash(b: &[u8]) -> Option<u64> {
+    let len = b.len();
+    if len == 8 || (len >= 16 && len % 16 == 0) {
+        let tail: [u8; 8] = b[len - 8..].try_into().ok()?;
+        Some(u64::from_be_bytes(tail))
+    } else {
+        None
     }
 }
 
@@ -408,14 +460,27 @@ fn read_tokens(items: &[ValueRef<'_>], ctx: Ctx, out: &mut Vec<u32>) -> Result<(
     Ok(())
 }
 
-/// Absent, nil or "GPU" (any case) is the GPU tier; any other string is a lower tier.
+/// Absent or nil is the GPU tier; a string is read by [`medium_of`].
 fn medium(v: Option<&ValueRef<'_>>, ctx: Ctx) -> Result<Medium, Rejection> {
     match present(v) {
         None => Ok(Medium::Gpu),
         Some(v) => match as_str(v) {
-            Some(m) => Ok(Medium::from_name(m)),
+            Some(m) => Ok(medium_of(m)),
             None => Err(ctx.invalid("medium", "a string or nil", v)),
         },
+    }
+}
+
+/// A medium string, in any case: `GPU` is the device; `CPU` (vLLM's offload tier) and
+/// `CPU_PINNED` (SGLang's L2) are host memory; everything else (`STORAGE`, `DISK`, `FS`, `OBJ`,
+/// `EXTERNAL`, strings we do not know) is a lower, slower tier.
+pub(super) fn medium_of(m: &str) -> Medium {
+    if m.eq_ignore_ascii_case("GPU") {
+        Medium::Gpu
+    } else if m.eq_ignore_ascii_case("CPU") || m.eq_ignore_ascii_case("CPU_PINNED") {
+        Medium::Host
+    } else {
+        Medium::Disk
     }
 }
 

@@ -9,6 +9,7 @@
 
 use rmpv::ValueRef;
 
+use super::kv::MAX_NAME_LEN;
 use super::value::{as_number, as_str, got, kind, map_get, present, read_single};
 use crate::input::{LoadSample, RejectReason, Rejection, WorkerId};
 
@@ -17,7 +18,8 @@ use crate::input::{LoadSample, RejectReason, Rejection, WorkerId};
 /// `kv_usage` must be a finite number in 0..=1 (an integer 0 or 1 is fine); `running`,
 /// `waiting` and `max_running` non-negative integers fitting u32; `ts` (the worker's clock,
 /// informational: staleness is judged by the daemon's receive time) a finite number;
-/// `model` a string (empty means none). Wrong types and missing required keys are
+/// `model` a string of at most 256 bytes (empty means none). The data-parallel rank is not in
+/// the payload: the caller sets it from the `Kv-Dp-Rank` header. Wrong types and missing required keys are
 /// `InvalidField`; non-finite or out-of-range values are `InvalidLoadValue`.
 pub fn decode_load(payload: &[u8], worker: WorkerId) -> Result<LoadSample, Rejection> {
     let root = read_single(payload, "load sample")?;
@@ -55,8 +57,10 @@ pub fn decode_load(payload: &[u8], worker: WorkerId) -> Result<LoadSample, Rejec
     let model = match present(map_get(entries, "model")) {
         None => None,
         Some(v) => match as_str(v) {
-            Some(m) => Some(m).filter(|m| !m.is_empty()).map(str::to_owned),
-            None => return Err(wrong_type("model", "a string", v)),
+            Some(m) if m.len() <= MAX_NAME_LEN => {
+                Some(m).filter(|m| !m.is_empty()).map(str::to_owned)
+            }
+            _ => return Err(wrong_type("model", "a string of at most 256 bytes", v)),
         },
     };
 
@@ -67,6 +71,7 @@ pub fn decode_load(payload: &[u8], worker: WorkerId) -> Result<LoadSample, Rejec
         waiting,
         max_running,
         model,
+        // The payload carries no rank: ingest fills it from the `Kv-Dp-Rank` header.
         dp_rank: 0,
     })
 }

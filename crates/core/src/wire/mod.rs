@@ -7,10 +7,11 @@
 //! one bad worker must not take the daemon down.
 //!
 //! - [`decode_kv_batch`]: `kv.events.<worker>`, the engines' own KV-event batches (§3.1), with the
-//!   `Kv-Seq` / `Kv-Model` / `Kv-Dp-Rank` headers parsed by [`parse_kv_headers`];
+//!   `Kv-Seq` / `Kv-Epoch` / `Kv-Model` / `Kv-Dp-Rank` headers parsed by [`parse_kv_headers`];
 //! - [`decode_load`]: `kv.load.<worker>` load samples (§3.2);
 //! - [`decode_lifecycle`]: `kv.workers.<worker>` lifecycle messages (§3.3);
-//! - [`encode_vllm_batch`], [`encode_load`], [`encode_lifecycle`]: the publishing side, used by
+//! - [`encode_vllm_batch`], [`encode_load`], [`encode_lifecycle`] / [`encode_lifecycle_message`]:
+//!   the publishing side, used by
 //!   the simulator, the bridge and integration tests.
 //!
 //! The payloads are walked as an [`rmpv::ValueRef`] tree that borrows strings and byte strings
@@ -25,8 +26,13 @@ mod value;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_engines;
 
-pub use encode::{encode_lifecycle, encode_load, encode_vllm_batch, VllmEvent};
+pub use encode::{
+    encode_lifecycle, encode_lifecycle_message, encode_load, encode_vllm_batch, LifecycleMessage,
+    VllmEvent,
+};
 pub use kv::decode_kv_batch;
 pub use lifecycle::decode_lifecycle;
 pub use load::decode_load;
@@ -42,50 +48,73 @@ pub struct KvHeaders {
     pub model: Option<String>,
     /// `Kv-Dp-Rank`: the data-parallel rank; wins over the batch's own field.
     pub dp_rank: Option<u32>,
-    /// `Kv-Epoch`: the publisher's incarnation.
+    /// `Kv-Epoch`: the publisher's incarnation; a new one means the engine restarted.
     pub epoch: Option<String>,
 }
 
-/// Parses the raw header values of a `kv.events.<worker>` message.
+/// Longest `Kv-Epoch` accepted, in characters.
+pub const MAX_EPOCH_LEN: usize = 64;
+
+/// Parses the raw header values of a `kv.events.<worker>` message (a load sample passes only
+/// `Kv-Model` and `Kv-Dp-Rank`).
 ///
 /// Values are trimmed of surrounding whitespace. `Kv-Seq` and `Kv-Dp-Rank` must be plain decimal
-/// integers (digits only, in range), otherwise the whole message is rejected with
-/// [`RejectReason::InvalidHeader`]: a sequence number we cannot read would silently break
-/// de-duplication and gap detection, so it is better refused and counted. An empty `Kv-Model`
-/// means no model.
+/// integers (digits only, in range), and `Kv-Epoch` 1 to 64 printable ASCII characters without
+/// spaces; otherwise the whole message is rejected with [`RejectReason::InvalidHeader`]: a
+/// sequence or epoch we cannot read would silently break de-duplication, gap and restart
+/// detection, so it is better refused and counted. An empty `Kv-Model` means no model; one
+/// longer than 256 bytes is an invalid header.
 pub fn parse_kv_headers(
     seq: Option<&str>,
     model: Option<&str>,
     dp_rank: Option<&str>,
+    epoch: Option<&str>,
 ) -> Result<KvHeaders, Rejection> {
     let seq = seq.map(|s| parse_decimal::<u64>("Kv-Seq", s)).transpose()?;
     let dp_rank = dp_rank
         .map(|s| parse_decimal::<u32>("Kv-Dp-Rank", s))
         .transpose()?;
-    let model = model
-        .map(str::trim)
-        .filter(|m| !m.is_empty())
-        .map(str::to_owned);
+    let model = match model.map(str::trim).filter(|m| !m.is_empty()) {
+        Some(m) if m.len() > kv::MAX_NAME_LEN => {
+            return Err(Rejection::new(
+                RejectReason::InvalidHeader,
+                format!(
+                    "Kv-Model: {} bytes is longer than the {}-byte limit",
+                    m.len(),
+                    kv::MAX_NAME_LEN
+                ),
+            ))
+        }
+        m => m.map(str::to_owned),
+    };
+    let epoch = epoch.map(parse_epoch).transpose()?;
     Ok(KvHeaders {
         seq,
         model,
         dp_rank,
-        epoch: None,
+        epoch,
     })
 }
 
-/// Parses a `Kv-Epoch` header: 1 to 64 printable ASCII characters without spaces (after
-/// trimming), else [`RejectReason::InvalidHeader`].
-pub fn parse_kv_epoch(raw: &str) -> Result<String, Rejection> {
+/// An epoch (`Kv-Epoch`, a lifecycle `epoch`): 1 to 64 printable ASCII characters, no spaces.
+pub(crate) fn is_valid_epoch(s: &str) -> bool {
+    !s.is_empty() && s.len() <= MAX_EPOCH_LEN && s.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// `Kv-Epoch`, trimmed, by [`is_valid_epoch`].
+fn parse_epoch(raw: &str) -> Result<String, Rejection> {
     let s = raw.trim();
-    if s.is_empty() || s.len() > 64 || !s.bytes().all(|b| b.is_ascii_graphic()) {
-        let shown: String = raw.chars().take(70).collect();
-        return Err(Rejection::new(
+    if is_valid_epoch(s) {
+        Ok(s.to_owned())
+    } else {
+        let shown: String = raw.chars().take(MAX_EPOCH_LEN + 8).collect();
+        Err(Rejection::new(
             RejectReason::InvalidHeader,
-            format!("Kv-Epoch: expected 1 to 64 printable characters, got {shown:?}"),
-        ));
+            format!(
+                "Kv-Epoch: expected 1 to {MAX_EPOCH_LEN} printable ASCII characters without spaces, got {shown:?}"
+            ),
+        ))
     }
-    Ok(s.to_owned())
 }
 
 /// Digits only: `str::parse` alone would also accept a leading `+`.

@@ -27,7 +27,7 @@ fn batch_dp_rank_is_used_when_no_header_is_given() {
 #[test]
 fn header_dp_rank_wins_over_batch_field() {
     let payload = mp(json!([1.0, [], 5]));
-    let headers = parse_kv_headers(None, None, Some("1")).unwrap();
+    let headers = parse_kv_headers(None, None, Some("1"), None).unwrap();
     let batch = decode_kv_batch(&payload, worker(), headers).unwrap();
     assert_eq!(
         batch.dp_rank, 1,

@@ -5,8 +5,7 @@ use super::*;
 fn expected_event(e: &serde_json::Value) -> KvEvent {
     let medium = |m: &serde_json::Value| match m.as_str() {
         Some("gpu") => Medium::Gpu,
-        // The fixtures' non-GPU events are CPU offload: host memory.
-        Some("other") | Some("host") => Medium::Host,
+        Some("host") => Medium::Host,
         Some("disk") => Medium::Disk,
         other => panic!("expected.json: unknown medium {other:?}"),
     };
@@ -32,7 +31,7 @@ fn expected_event(e: &serde_json::Value) -> KvEvent {
             block_size: e["block_size"].as_u64().expect("block_size") as u32,
             lora: e["lora"].as_str().map(str::to_owned),
             medium: medium(&e["medium"]),
-            full_attention: true,
+            full_attention: e["full_attention"].as_bool().unwrap_or(true),
         },
         Some("removed") => KvEvent::Removed {
             engine_hashes: u64s(&e["engine_hashes"]),

@@ -4,7 +4,7 @@ use super::*;
 
 #[test]
 fn headers_parse_decimal_values_and_trim_whitespace() {
-    let h = parse_kv_headers(Some(" 42 "), Some("llama"), Some("3")).unwrap();
+    let h = parse_kv_headers(Some(" 42 "), Some("llama"), Some("3"), None).unwrap();
     assert_eq!(
         h,
         KvHeaders {
@@ -16,14 +16,14 @@ fn headers_parse_decimal_values_and_trim_whitespace() {
         "decimal headers parse to their values"
     );
     assert_eq!(
-        parse_kv_headers(Some("18446744073709551615"), None, None)
+        parse_kv_headers(Some("18446744073709551615"), None, None, None)
             .unwrap()
             .seq,
         Some(u64::MAX),
         "Kv-Seq covers the whole u64 range"
     );
     assert_eq!(
-        parse_kv_headers(None, None, None).unwrap(),
+        parse_kv_headers(None, None, None, None).unwrap(),
         KvHeaders::default(),
         "absent headers are None"
     );
@@ -42,7 +42,7 @@ fn non_decimal_seq_or_dp_rank_is_invalid_header() {
         "18446744073709551616",
         "1 2",
     ] {
-        let err = parse_kv_headers(Some(bad), None, None).unwrap_err();
+        let err = parse_kv_headers(Some(bad), None, None, None).unwrap_err();
         assert_eq!(
             err.reason,
             RejectReason::InvalidHeader,
@@ -55,7 +55,7 @@ fn non_decimal_seq_or_dp_rank_is_invalid_header() {
         );
     }
     for bad in ["x", "-3", "4294967296"] {
-        let err = parse_kv_headers(None, None, Some(bad)).unwrap_err();
+        let err = parse_kv_headers(None, None, Some(bad), None).unwrap_err();
         assert_eq!(
             err.reason,
             RejectReason::InvalidHeader,
@@ -68,7 +68,9 @@ fn non_decimal_seq_or_dp_rank_is_invalid_header() {
 fn empty_model_header_means_no_model() {
     for empty in ["", "   "] {
         assert_eq!(
-            parse_kv_headers(None, Some(empty), None).unwrap().model,
+            parse_kv_headers(None, Some(empty), None, None)
+                .unwrap()
+                .model,
             None,
             "an empty Kv-Model header carries no model"
         );
@@ -78,7 +80,7 @@ fn empty_model_header_means_no_model() {
 #[test]
 fn headers_are_carried_into_the_batch() {
     let payload = batch_of(json!(["AllBlocksCleared"]));
-    let headers = parse_kv_headers(Some("7"), Some("m"), Some("2")).unwrap();
+    let headers = parse_kv_headers(Some("7"), Some("m"), Some("2"), None).unwrap();
     let batch = decode_kv_batch(&payload, worker(), headers).unwrap();
     assert_eq!(batch.seq, Some(7), "Kv-Seq becomes the batch sequence");
     assert_eq!(

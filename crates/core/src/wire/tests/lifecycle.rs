@@ -2,8 +2,12 @@
 
 use super::*;
 
+/// A lifecycle message that decodes with no field rejected.
 fn lifecycle(v: serde_json::Value) -> Result<crate::input::Lifecycle, Rejection> {
-    decode_lifecycle(&mp(v), worker())
+    decode_lifecycle(&mp(v), worker()).map(|(l, rejected)| {
+        assert_eq!(rejected, vec![], "no field is rejected");
+        l
+    })
 }
 
 #[test]
@@ -47,10 +51,20 @@ fn unknown_lifecycle_op_is_unknown_lifecycle_op() {
 
 #[test]
 fn invalid_lifecycle_fields_are_invalid_field() {
+    for case in [json!({}), json!({"op": null}), json!({"op": 1})] {
+        let r = lifecycle(case.clone()).unwrap_err();
+        assert_eq!(
+            r.reason,
+            RejectReason::InvalidField,
+            "{case} has no usable op"
+        );
+        assert!(
+            r.detail.starts_with("Lifecycle.op"),
+            "detail names the field: {}",
+            r.detail
+        );
+    }
     let cases = [
-        json!({}),
-        json!({"op": null}),
-        json!({"op": 1}),
         json!({"op": "join", "block_size": 0}),
         json!({"op": "join", "block_size": -16}),
         json!({"op": "join", "block_size": "16"}),
@@ -60,12 +74,19 @@ fn invalid_lifecycle_fields_are_invalid_field() {
         json!({"op": "join", "model": ["m"]}),
     ];
     for case in cases {
-        let r = lifecycle(case.clone()).unwrap_err();
-        assert_eq!(r.reason, RejectReason::InvalidField, "{case} is invalid");
+        let (l, rejected) = decode_lifecycle(&mp(case.clone()), worker())
+            .unwrap_or_else(|r| panic!("{case}: the op survives a bad field, got {r:?}"));
+        assert_eq!(
+            (l.model, l.block_size, l.capacity_blocks),
+            (None, None, None),
+            "{case}: the bad field is left out"
+        );
+        assert_eq!(rejected.len(), 1, "{case}: the bad field is rejected");
+        assert_eq!(rejected[0].reason, RejectReason::InvalidField, "{case}");
         assert!(
-            r.detail.starts_with("Lifecycle."),
+            rejected[0].detail.starts_with("Lifecycle."),
             "detail names the field: {}",
-            r.detail
+            rejected[0].detail
         );
     }
     assert_eq!(

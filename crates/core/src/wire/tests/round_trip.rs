@@ -82,7 +82,7 @@ fn encoded_load_and_lifecycle_round_trip() {
         "absent optionals stay absent"
     );
     for op in [LifecycleOp::Join, LifecycleOp::Drain, LifecycleOp::Leave] {
-        let l = decode_lifecycle(
+        let (l, _) = decode_lifecycle(
             &encode_lifecycle(op, Some("m"), Some(16), Some(1024)),
             worker(),
         )
@@ -93,7 +93,7 @@ fn encoded_load_and_lifecycle_round_trip() {
             "every lifecycle field round-trips"
         );
     }
-    let l = decode_lifecycle(
+    let (l, _) = decode_lifecycle(
         &encode_lifecycle(LifecycleOp::Leave, None, None, None),
         worker(),
     )

@@ -107,8 +107,11 @@ fn bytes_hash_uses_its_last_eight_bytes_big_endian() {
 #[test]
 fn hashes_of_other_kinds_are_invalid_field() {
     let bad_hashes = [
-        Value::Binary(vec![1; 16]),
-        Value::Binary(vec![1; 8]),
+        Value::Binary(vec![]),
+        Value::Binary(vec![1; 7]),
+        Value::Binary(vec![1; 12]),
+        Value::Binary(vec![1; 20]),
+        Value::Binary(vec![1; 36]),
         Value::from("0xabc"),
         Value::F64(1.0),
         Value::Nil,
@@ -271,7 +274,7 @@ fn malformed_bigrams_are_invalid_field() {
 }
 
 #[test]
-fn medium_gpu_in_any_case_or_nil_is_gpu_and_other_strings_are_other() {
+fn medium_gpu_in_any_case_or_nil_is_gpu_and_other_strings_are_lower_tiers() {
     let medium_of = |m: serde_json::Value| {
         stored_parts(only_event(decode_ok(&batch_of(json!([
             "BlockStored",
@@ -294,12 +297,12 @@ fn medium_gpu_in_any_case_or_nil_is_gpu_and_other_strings_are_other() {
     assert_eq!(
         medium_of(json!("CPU")),
         Medium::Host,
-        "CPU offload is another tier"
+        "CPU offload is the host tier"
     );
     assert_eq!(
         medium_of(json!("DISK")),
         Medium::Disk,
-        "disk is another tier"
+        "disk is the disk tier"
     );
     let absent = stored_parts(only_event(decode_ok(&batch_of(json!([
         "BlockStored",
