@@ -1254,10 +1254,18 @@ fn ranks_are_candidates_of_their_own_and_one_ranks_clear_leaves_the_others_block
         r.sort();
         r
     };
-    assert_eq!(ranks(&fleet), [0, 1, 2], "a join declares every rank a candidate");
+    assert_eq!(
+        ranks(&fleet),
+        [0, 1, 2],
+        "a join declares every rank a candidate"
+    );
     join.dp_size = Some(1);
     fleet.join(join);
-    assert_eq!(ranks(&fleet), [0], "a join with fewer ranks drops the others");
+    assert_eq!(
+        ranks(&fleet),
+        [0],
+        "a join with fewer ranks drops the others"
+    );
     fleet.store("single", &[5, 6]);
     let d = fleet.route(&[5, 6]);
     assert_eq!(
