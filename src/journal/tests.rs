@@ -325,3 +325,55 @@ fn a_dir_written_by_the_schema_before_per_rank_ownership_is_refused_with_the_way
         "the error is one line that says what to do: {message}"
     );
 }
+
+/// Inputs journaled before epochs, ranks and tiers: the same fields less the new trailing ones,
+/// and `Other` for any non-GPU medium.
+#[test]
+fn inputs_journaled_before_epochs_and_tiers_still_decode() {
+    use crate::input::{KvEvent, Lifecycle, LifecycleOp, Medium};
+    #[derive(serde::Serialize)]
+    enum OldMedium {
+        #[allow(dead_code)]
+        Gpu,
+        Other,
+    }
+    #[derive(serde::Serialize)]
+    struct OldLifecycle {
+        worker: String,
+        op: LifecycleOp,
+        model: Option<String>,
+        block_size: Option<u32>,
+        capacity_blocks: Option<u64>,
+    }
+    #[derive(serde::Serialize)]
+    enum OldEvent {
+        Removed {
+            engine_hashes: Vec<u64>,
+            medium: OldMedium,
+        },
+    }
+    let old = rmp_serde::to_vec(&OldLifecycle {
+        worker: "w".into(),
+        op: LifecycleOp::Join,
+        model: None,
+        block_size: Some(16),
+        capacity_blocks: None,
+    })
+    .unwrap();
+    let new: Lifecycle = rmp_serde::from_slice(&old).expect("an old lifecycle decodes");
+    assert_eq!((new.dp_size, new.epoch), (None, None));
+    let old = rmp_serde::to_vec(&OldEvent::Removed {
+        engine_hashes: vec![1],
+        medium: OldMedium::Other,
+    })
+    .unwrap();
+    let new: KvEvent = rmp_serde::from_slice(&old).expect("an old event decodes");
+    assert_eq!(
+        new,
+        KvEvent::Removed {
+            engine_hashes: vec![1],
+            medium: Medium::Disk
+        },
+        "Other decodes as the disk tier"
+    );
+}
