@@ -26,7 +26,7 @@ fn ms(d: Duration) -> u64 {
     d.as_millis() as u64
 }
 
-fn parse_fraction(s: &str) -> Result<f64, String> {
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
     if v.is_finite() && (0.0..=1.0).contains(&v) {
         Ok(v)
@@ -35,12 +35,38 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Parses a pressure threshold (a non-negative number; above 1 means requests queue beyond the
+/// batch) or `off`.
+pub fn parse_optional_pressure(s: &str) -> Result<OptionalPressure, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(OptionalPressure(None));
+    }
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is neither a number nor off"))?;
+    if v.is_finite() && v >= 0.0 {
+        Ok(OptionalPressure(Some(v)))
+    } else {
+        Err(format!("{v} is not a non-negative number"))
+    }
+}
+
+/// A pressure threshold that can be switched off (`off`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptionalPressure(pub Option<f64>);
+
+impl From<OptionalPressure> for Option<f64> {
+    fn from(v: OptionalPressure) -> Self {
+        v.0
+    }
+}
+
 /// Routing settings, shared by `serve` (defaults as shown) and `replay` (where a flag given
 /// overrides the recorded setting: a counterfactual).
 #[derive(Debug, Clone, Default, Args)]
 pub struct PolicyArgs {
-    /// Routing policy: pressure_first, or a baseline (legacy, round_robin, p2c, longest_prefix)
-    /// [default: pressure_first]
+    /// Routing policy: pressure_first, or a baseline (legacy, round_robin, p2c, longest_prefix,
+    /// dynamo_cost) [default: pressure_first]
     #[arg(long, env = "KVROUTED_POLICY")]
     pub policy: Option<PolicyKind>,
     /// Tokens per KV block; events with another block size are rejected [default: 16]
@@ -64,6 +90,18 @@ pub struct PolicyArgs {
     /// Matches shorter than this many blocks are cold misses [default: 1]
     #[arg(long, env = "KVROUTED_MIN_MATCH_BLOCKS")]
     pub min_match_blocks: Option<u32>,
+    /// A match must also cover this fraction (0..1) of the prompt's blocks, rounded up, to make
+    /// owners [default: the value in docs/quality.md's sweep]
+    #[arg(long, env = "KVROUTED_MIN_MATCH_RATIO", value_parser = parse_fraction)]
+    pub min_match_ratio: Option<f64>,
+    /// At the owner ceiling, still spill (once per cooldown, `overload_spill`) when every known
+    /// owner's pressure is above this; `off` never [default: off]
+    #[arg(long, env = "KVROUTED_CEILING_OVERFLOW_PRESSURE", value_parser = parse_optional_pressure)]
+    pub ceiling_overflow_pressure: Option<OptionalPressure>,
+    /// Fold unfinished reserved prefill into pressure: this many tokens count as 1.0 of pressure;
+    /// 0 does not fold [default: the value in docs/quality.md's sweep]
+    #[arg(long, env = "KVROUTED_BACKLOG_PRESSURE_TOKENS")]
+    pub backlog_pressure_tokens: Option<u64>,
     /// How long the router's own routing records count as ownership [default: 120s]
     #[arg(long, env = "KVROUTED_APPROX_TTL", value_parser = parse_duration)]
     pub approx_ttl: Option<Duration>,
@@ -123,6 +161,17 @@ impl PolicyArgs {
             p.min_match_blocks,
             self.min_match_blocks,
             "min_match_blocks"
+        );
+        set!(p.min_match_ratio, self.min_match_ratio, "min_match_ratio");
+        set!(
+            p.ceiling_overflow_pressure,
+            self.ceiling_overflow_pressure,
+            "ceiling_overflow_pressure"
+        );
+        set!(
+            p.backlog_pressure_tokens,
+            self.backlog_pressure_tokens,
+            "backlog_pressure_tokens"
         );
         set!(config.block_size, self.block_size, "block_size");
         set!(

@@ -79,6 +79,23 @@ pub struct ExplainRow {
     pub pressure: Option<f64>,
     pub telemetry_age_ms: Option<u64>,
     pub reserved_work: u64,
+    /// Its load sample's pressure (`pressure` is what the policy ranked by).
+    #[serde(default)]
+    pub sample_pressure: Option<f64>,
+    /// Reserved prompt tokens whose prefill it has not finished.
+    #[serde(default)]
+    pub prefill_backlog_tokens: u64,
+    /// Leading blocks of the request it holds in host memory and on disk.
+    #[serde(default)]
+    pub host_depth: u32,
+    #[serde(default)]
+    pub disk_depth: u32,
+    /// Blocks a match needed to make owners (min_match_blocks and min_match_ratio of the prompt).
+    #[serde(default)]
+    pub match_threshold: u32,
+    /// The `dynamo_cost` baseline's cost of this worker for the request (candidates only).
+    #[serde(default)]
+    pub dynamo_cost: Option<f64>,
 }
 
 /// What applying a KV event batch, load sample or lifecycle message did.
@@ -222,11 +239,12 @@ impl Router {
                 Some(decision) => Output::Routed(decision),
                 None => Output::NoCandidate,
             },
-            Input::Release { reservation } => Output::Released {
-                found: self
-                    .state
-                    .reservations
-                    .release(&mut self.state.workers, *reservation),
+            Input::Release { reservation, phase } => Output::Released {
+                found: self.state.reservations.release(
+                    &mut self.state.workers,
+                    *reservation,
+                    *phase,
+                ),
             },
             Input::Tick => Output::Tick(self.tick(now, expired as u64)),
             Input::Resume => {
@@ -410,6 +428,7 @@ impl Router {
             .get(req.model.as_deref(), req.lora.as_deref());
         let depths = self.depths(ns, &req.keys, now);
         let max_age = self.config.policy.telemetry_max_age_ms;
+        let policy_config = &self.config.policy;
         let views: Vec<WorkerView> = self
             .state
             .workers
@@ -421,10 +440,15 @@ impl Router {
                     && !req.exclude.contains(&w.id)
                     && serves_model(w.model.as_deref(), req.model.as_deref()),
                 depth: depths[slot as usize],
-                pressure: w.fresh_pressure(now, max_age),
+                pressure: policy_config
+                    .ranked_pressure(w.fresh_pressure(now, max_age), w.reserved_prefill),
                 waiting: w.waiting(),
                 reserved_work: w.reserved_work,
                 reserved_requests: w.reserved_requests,
+                // Lower tiers are not indexed yet: no candidate holds a prefix there.
+                host_depth: 0,
+                disk_depth: 0,
+                prefill_backlog_tokens: w.reserved_prefill,
             })
             .collect();
         let provisional =
@@ -432,6 +456,8 @@ impl Router {
         let view = RouteView {
             now_ms: now,
             keys: &req.keys,
+            prompt_tokens: req.prompt_tokens,
+            block_size: self.config.block_size,
             workers: &views,
             provisional: &provisional,
         };
@@ -444,6 +470,7 @@ impl Router {
         };
         let chosen = &views[choice.worker];
         let slot = chosen.slot;
+        let held_tokens = u64::from(chosen.depth).saturating_mul(u64::from(self.config.block_size));
         let worker_id = chosen.id.clone();
         let mut owners: Vec<WorkerId> = choice
             .known_owners
@@ -451,6 +478,7 @@ impl Router {
             .map(|&i| views[i].id.clone())
             .collect();
         owners.sort();
+        let match_threshold = self.config.policy.match_threshold(req.keys.len());
         let explain = req.explain.then(|| {
             views
                 .iter()
@@ -468,6 +496,14 @@ impl Router {
                         pressure: v.pressure,
                         telemetry_age_ms: w.telemetry_age_ms(now),
                         reserved_work: v.reserved_work,
+                        sample_pressure: w.fresh_pressure(now, max_age),
+                        prefill_backlog_tokens: v.prefill_backlog_tokens,
+                        host_depth: v.host_depth,
+                        disk_depth: v.disk_depth,
+                        match_threshold,
+                        dynamo_cost: v
+                            .candidate
+                            .then(|| policy::baselines::dynamo_cost_of(&view, v)),
                     }
                 })
                 .collect()
@@ -480,13 +516,16 @@ impl Router {
             .max_output_tokens
             .unwrap_or(self.config.output_estimate)
             .min(self.config.output_estimate);
-        let work = req.prompt_tokens + output;
+        let work = req.prompt_tokens.saturating_add(output);
+        // The prefill part: the prompt tokens the chosen worker does not already hold.
+        let prefill = req.prompt_tokens.saturating_sub(held_tokens);
         self.state.reservations.open(
             &mut self.state.workers,
             seq,
             slot,
             work,
-            now + self.config.reservation_ttl_ms,
+            prefill,
+            now.saturating_add(self.config.reservation_ttl_ms),
         );
         let ns = ns.unwrap_or_else(|| {
             self.state

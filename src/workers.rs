@@ -52,6 +52,9 @@ pub struct Worker {
     pub reserved_requests: u32,
     /// Last applied `Kv-Seq` per data-parallel rank.
     pub last_seq: SmallVec<[(u32, u64); 1]>,
+    /// The part of `reserved_work` that is prefill the worker has not finished.
+    #[serde(default)]
+    pub reserved_prefill: u64,
 }
 
 impl Worker {
@@ -116,6 +119,7 @@ impl Workers {
             reserved_work: 0,
             reserved_requests: 0,
             last_seq: SmallVec::new(),
+            reserved_prefill: 0,
         });
         worker.last_heard_ms = worker.last_heard_ms.max(now_ms);
         (slot, new)

@@ -23,6 +23,7 @@ use crate::hashing;
 use crate::ingest::Status;
 use crate::input::{Input, RejectReason, Rejection, RouteRequest, WorkerId};
 use crate::metrics::reject;
+use crate::reservations::ReleasePhase;
 use crate::router::Output;
 
 mod token_list;
@@ -282,6 +283,9 @@ async fn route(
 #[derive(Debug, Deserialize)]
 struct ReleaseBody {
     reservation: u64,
+    /// `prefill`: the gateway saw the first token; only the prefill part is given back.
+    #[serde(default)]
+    phase: Option<ReleasePhase>,
 }
 
 async fn release(
@@ -297,6 +301,7 @@ async fn release(
             .apply(
                 Input::Release {
                     reservation: body.reservation,
+                    phase: body.phase,
                 },
                 "http",
             )
@@ -305,7 +310,10 @@ async fn release(
             Ok(Output::Released { found: true }) => Ok(reply(
                 &headers,
                 StatusCode::OK,
-                &json!({"released": body.reservation}),
+                &match body.phase {
+                    Some(phase) => json!({"released": body.reservation, "phase": phase}),
+                    None => json!({"released": body.reservation}),
+                },
             )),
             Ok(_) => Err(ApiError(
                 StatusCode::NOT_FOUND,

@@ -3,9 +3,10 @@
 //! Every input reaches the core as a [`Stamped`] input with the simulated clock and an
 //! increasing sequence number, exactly as the daemon journals them: lifecycle joins, KV event
 //! batches (after the configured delay), load samples (at the configured interval), route
-//! requests, releases and ticks. Nothing here reads the wall clock, and ties between events at
-//! the same simulated instant are broken by the order they were scheduled in, so a run is a
-//! pure function of the trace, the configuration and the seed.
+//! requests, releases (the prefill part at the first token, the rest at completion) and ticks.
+//! Nothing here reads the wall clock, and ties between events at the same simulated instant are
+//! broken by the order they were scheduled in, so a run is a pure function of the trace, the
+//! configuration and the seed.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -22,6 +23,7 @@ use crate::input::{
     Stamped, WorkerId,
 };
 use crate::policy::{DecisionLabel, PolicyKind};
+use crate::reservations::ReleasePhase;
 use crate::router::{Output, Router, RouterConfig};
 
 /// The daemon clock (ms) at simulated time zero. Any value works; a nonzero one keeps
@@ -148,6 +150,8 @@ pub struct PolicyReport {
 #[derive(Debug)]
 enum Ev {
     Arrive(usize),
+    /// The gateway sees the request's first token and releases the prefill part.
+    FirstToken(usize),
     Finish(usize),
     Deliver(Input),
     Load(usize),
@@ -371,6 +375,13 @@ impl Sim<'_> {
             }
             match ev {
                 Ev::Arrive(r) => self.arrive(r)?,
+                Ev::FirstToken(r) => {
+                    let reservation = self.reqs[r].reservation;
+                    self.apply(Input::Release {
+                        reservation,
+                        phase: Some(ReleasePhase::Prefill),
+                    });
+                }
                 Ev::Finish(r) => self.finish(r),
                 Ev::Deliver(mut input) => {
                     // The publisher numbers batches as it sends them; with one delay for all
@@ -575,6 +586,7 @@ impl Sim<'_> {
                 );
                 self.schedule(prefill_end + delay, Ev::Deliver(batch));
             }
+            self.schedule(prefill_end, Ev::FirstToken(r));
             self.schedule(finish, Ev::Finish(r));
         }
     }
@@ -594,7 +606,10 @@ impl Sim<'_> {
         let (w, stored, private, reservation) =
             (state.worker, state.stored, state.private, state.reservation);
         self.workers[w].release(&self.keys[r][..stored], private);
-        self.apply(Input::Release { reservation });
+        self.apply(Input::Release {
+            reservation,
+            phase: None,
+        });
         self.completed += 1;
         self.last_finish_us = self.now_us;
         if let Some(next) = self.follow_up[r] {
