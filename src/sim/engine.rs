@@ -145,6 +145,11 @@ pub struct PolicyReport {
     pub router_rejections: u64,
     /// After the last event, the router's authoritative index equals the workers' caches.
     pub index_in_sync: bool,
+    /// Prefill parts the gateways released at a request's first token that the router found.
+    pub first_token_releases: u64,
+    /// Reserved work the router still holds after the last event (every request finished and
+    /// released its reservation: 0).
+    pub reserved_work_at_end: u64,
 }
 
 #[derive(Debug)]
@@ -231,6 +236,7 @@ struct Sim<'a> {
     decisions: [u64; DecisionLabel::ALL.len()],
     follow_ups: u64,
     follow_up_moves: u64,
+    first_token_releases: u64,
     first_arrival_us: Option<u64>,
     last_finish_us: u64,
     progress: Option<Progress<'a>>,
@@ -304,6 +310,7 @@ pub fn simulate(
         decisions: [0; DecisionLabel::ALL.len()],
         follow_ups: 0,
         follow_up_moves: 0,
+        first_token_releases: 0,
         first_arrival_us: None,
         last_finish_us: 0,
         progress,
@@ -377,10 +384,13 @@ impl Sim<'_> {
                 Ev::Arrive(r) => self.arrive(r)?,
                 Ev::FirstToken(r) => {
                     let reservation = self.reqs[r].reservation;
-                    self.apply(Input::Release {
+                    let out = self.apply(Input::Release {
                         reservation,
                         phase: Some(ReleasePhase::Prefill),
                     });
+                    if out == (Output::Released { found: true }) {
+                        self.first_token_releases += 1;
+                    }
                 }
                 Ev::Finish(r) => self.finish(r),
                 Ev::Deliver(mut input) => {
@@ -698,6 +708,13 @@ impl Sim<'_> {
             peak_blocks: self.workers.iter().map(|w| w.peak_used).collect(),
             router_rejections: self.rejections,
             index_in_sync: self.index_in_sync(),
+            first_token_releases: self.first_token_releases,
+            reserved_work_at_end: self
+                .router
+                .worker_rows(EPOCH_MS + self.now_us / 1000)
+                .iter()
+                .map(|w| w.reserved_work)
+                .sum(),
         }
     }
 }
