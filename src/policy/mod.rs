@@ -192,9 +192,14 @@ pub const DEFAULT_BACKLOG_PRESSURE_TOKENS: u64 = 0;
 
 impl PolicyConfig {
     /// Blocks a match must reach to make owners for a prompt of `prompt_blocks` blocks: at
-    /// least one, `min_match_blocks`, and `min_match_ratio` of the prompt rounded up.
+    /// least one, `min_match_blocks`, and (pressure-first only: baselines keep their own rule)
+    /// `min_match_ratio` of the prompt rounded up.
     pub fn match_threshold(&self, prompt_blocks: usize) -> u32 {
-        let by_ratio = (self.min_match_ratio * prompt_blocks as f64 - 1e-9).ceil().max(0.0) as u32;
+        let ratio = match self.kind {
+            PolicyKind::PressureFirst => self.min_match_ratio,
+            _ => 0.0,
+        };
+        let by_ratio = (ratio * prompt_blocks as f64 - 1e-9).ceil().max(0.0) as u32;
         self.min_match_blocks.max(by_ratio).max(1)
     }
 

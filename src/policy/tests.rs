@@ -148,6 +148,15 @@ fn the_match_threshold_is_the_larger_of_min_match_blocks_and_the_ratio_rounded_u
         ..PolicyConfig::default()
     };
     assert_eq!(zero.match_threshold(0), 1, "a match is at least one block");
+    let baseline = PolicyConfig {
+        kind: PolicyKind::LongestPrefix,
+        ..config
+    };
+    assert_eq!(
+        baseline.match_threshold(20),
+        3,
+        "baselines keep their own rule: min_match_blocks only"
+    );
 }
 
 #[test]
