@@ -352,7 +352,10 @@ fn the_shared_prefix_generator_runs_single_turn_requests_behind_common_prefixes(
         out.starts_with("generated shared-prefix workload: 200 requests"),
         "{out}"
     );
-    assert!(out.contains("dynamo_cost"), "the dynamo_cost baseline runs: {out}");
+    assert!(
+        out.contains("dynamo_cost"),
+        "the dynamo_cost baseline runs: {out}"
+    );
     let a = args("--generate shared-prefix --requests 300 --prefixes 2 --prefix-tokens 4096");
     let trace = a.workload().unwrap();
     assert!(
@@ -372,13 +375,19 @@ fn a_sweep_runs_the_workload_once_per_value_with_the_value_as_a_column() {
         .filter(|l| l.contains("pressure_first"))
         .collect();
     assert_eq!(rows.len(), 2, "one row per value: {out}");
-    assert!(rows[0].starts_with("0 ") && rows[1].starts_with("0.9 "), "{out}");
+    assert!(
+        rows[0].starts_with("0 ") && rows[1].starts_with("0.9 "),
+        "{out}"
+    );
     let json = run(&format!("{flags} --json"));
     let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(doc["flag"], "min-match-ratio");
     let runs = doc["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2);
-    assert_eq!((runs[0]["value"].as_str(), runs[1]["value"].as_str()), (Some("0"), Some("0.9")));
+    assert_eq!(
+        (runs[0]["value"].as_str(), runs[1]["value"].as_str()),
+        (Some("0"), Some("0.9"))
+    );
     let holds = |run: &serde_json::Value| run["policies"][0]["decisions"]["owner_hold"].as_u64();
     assert!(
         holds(&runs[0]) > holds(&runs[1]),
@@ -392,7 +401,7 @@ fn a_sweep_of_a_flag_that_cannot_be_swept_or_a_bad_value_is_an_error() {
         let argv = std::iter::once("simulate").chain(line.split_whitespace());
         Cli::try_parse_from(argv).map(|c| c.args)
     };
-    let err = cli("--generate agentic --sweep policy=p2c").err().expect("rejected");
+    let err = cli("--generate agentic --sweep policy=p2c").expect_err("rejected");
     assert!(err.to_string().contains("cannot be swept"), "{err}");
     let bad = args("--generate agentic --sessions 2 --quiet --sweep min-match-ratio=2");
     let mut out = Vec::new();

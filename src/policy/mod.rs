@@ -208,8 +208,9 @@ impl PolicyConfig {
     /// stays missing (telemetry gaps fail open), and baselines see the sample as it is.
     pub fn ranked_pressure(&self, sample: Option<f64>, prefill_backlog_tokens: u64) -> Option<f64> {
         match (self.kind, self.backlog_pressure_tokens) {
-            (PolicyKind::PressureFirst, tokens) if tokens > 0 => sample
-                .map(|p| p + prefill_backlog_tokens as f64 / tokens as f64),
+            (PolicyKind::PressureFirst, tokens) if tokens > 0 => {
+                sample.map(|p| p + prefill_backlog_tokens as f64 / tokens as f64)
+            }
             _ => sample,
         }
     }

@@ -169,7 +169,11 @@ pub(crate) fn no_owner(
     } else {
         Vec::new()
     };
-    let pool = if reloaders.is_empty() { pool } else { &reloaders };
+    let pool = if reloaders.is_empty() {
+        pool
+    } else {
+        &reloaders
+    };
     let worker = power_of_two(view, pool, rng);
     let label = if owners_unavailable(config, view) {
         DecisionLabel::OwnerUnavailable

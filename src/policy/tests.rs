@@ -141,7 +141,11 @@ fn the_match_threshold_is_the_larger_of_min_match_blocks_and_the_ratio_rounded_u
     };
     assert_eq!(config.match_threshold(4), 3, "min_match_blocks binds");
     assert_eq!(config.match_threshold(20), 5, "0.25 x 20 = 5 exactly");
-    assert_eq!(config.match_threshold(21), 6, "0.25 x 21 = 5.25, rounded up");
+    assert_eq!(
+        config.match_threshold(21),
+        6,
+        "0.25 x 21 = 5.25, rounded up"
+    );
     let zero = PolicyConfig {
         min_match_blocks: 0,
         min_match_ratio: 0.0,
@@ -185,7 +189,10 @@ fn a_lower_tier_match_above_high_water_is_not_preferred() {
     for seed in 0..32 {
         let fleet = [w("hot", 0, 0.95).host(6), w("a", 0, 0.1), w("b", 0, 0.2)];
         let (name, _) = decide_with(&config, &fleet, 8, None, seed);
-        assert_ne!(name, "hot", "seed {seed}: a worker above high water is not safe");
+        assert_ne!(
+            name, "hot",
+            "seed {seed}: a worker above high water is not safe"
+        );
     }
 }
 
@@ -261,7 +268,10 @@ fn an_overload_spill_happens_at_most_once_per_cooldown() {
         DecisionLabel::OverloadSpill,
         "a spill of the prefix 1 s ago (cooldown 5 s) coalesces"
     );
-    assert_eq!(name, "home", "the provisional owner is now the least pressured owner");
+    assert_eq!(
+        name, "home",
+        "the provisional owner is now the least pressured owner"
+    );
 }
 
 #[test]

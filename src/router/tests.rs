@@ -977,7 +977,13 @@ fn state_survives_a_serialization_round_trip() {
 
 fn reserved_prefill(fleet: &Fleet, worker: &str) -> u64 {
     let slot = fleet.router.state.workers.slot_of(&id(worker)).unwrap();
-    fleet.router.state.workers.get(slot).unwrap().reserved_prefill
+    fleet
+        .router
+        .state
+        .workers
+        .get(slot)
+        .unwrap()
+        .reserved_prefill
 }
 
 #[test]
@@ -1030,7 +1036,11 @@ fn a_reservation_expires_whole_at_its_own_deadline_even_after_a_shorter_ttl_is_c
         16 + 100,
         "the 10 s reservation expired although the 600 s one was made first"
     );
-    assert_eq!(reserved_prefill(&fleet, "a"), 16, "its prefill part went with it");
+    assert_eq!(
+        reserved_prefill(&fleet, "a"),
+        16,
+        "its prefill part went with it"
+    );
     assert_eq!(
         fleet.apply(Input::Release {
             reservation: short.reservation,
@@ -1074,7 +1084,11 @@ fn folded_prefill_backlog_pressures_an_owner_its_load_sample_shows_idle() {
     let owner = rows.iter().find(|r| r.worker.as_str() == "owner").unwrap();
     assert_eq!(owner.sample_pressure, Some(0.1));
     assert_eq!(owner.prefill_backlog_tokens, 48);
-    assert_eq!(owner.pressure, Some(0.1 + 6.0), "explain shows the folded pressure");
+    assert_eq!(
+        owner.pressure,
+        Some(0.1 + 6.0),
+        "explain shows the folded pressure"
+    );
 
     let mut unfolded = Fleet::new();
     unfolded.store("owner", &PROMPT);
@@ -1107,7 +1121,11 @@ fn explain_shows_the_match_threshold_lower_tier_depths_and_dynamo_cost() {
         DecisionLabel::ColdMiss,
         "1 block of 4 is below ratio 0.5"
     );
-    assert_eq!(d.worker.as_str(), "owner", "one cached block makes it cheapest");
+    assert_eq!(
+        d.worker.as_str(),
+        "owner",
+        "one cached block makes it cheapest"
+    );
     let rows = d.explain.unwrap();
     let owner = rows.iter().find(|r| r.worker.as_str() == "owner").unwrap();
     let other = rows.iter().find(|r| r.worker.as_str() == "other").unwrap();
@@ -1152,5 +1170,9 @@ fn matched_blocks_is_the_chosen_workers_own_depth_so_a_spill_claims_no_reuse() {
     let d = fleet.route(&PROMPT);
     assert_eq!(decided(&d), ("home", DecisionLabel::PressureSpill));
     assert_eq!(d.matched_blocks, 0, "home holds none of the prompt");
-    assert_eq!(d.owners, vec![id("owner")], "owners still name the deep owner");
+    assert_eq!(
+        d.owners,
+        vec![id("owner")],
+        "owners still name the deep owner"
+    );
 }

@@ -210,7 +210,8 @@ pub fn shared_prefix(
             pick -= weights[p];
             p += 1;
         }
-        let input = params.prefix_tokens + exp_draw(&mut rng, params.suffix_tokens as f64, 1.0) as u64;
+        let input =
+            params.prefix_tokens + exp_draw(&mut rng, params.suffix_tokens as f64, 1.0) as u64;
         let mut hash_ids = prefixes[p].clone();
         while (hash_ids.len() as u64 + 1) * bt <= input {
             hash_ids.push(fresh());
@@ -251,10 +252,17 @@ mod tests {
             assert!(r.input_tokens > 2048, "a prefix and a part of its own");
             *heads.entry(r.hash_ids[..4].to_vec()).or_insert(0) += 1;
             for id in &r.hash_ids[4..] {
-                assert!(seen_after.insert(*id), "block {id} after the prefix is unique");
+                assert!(
+                    seen_after.insert(*id),
+                    "block {id} after the prefix is unique"
+                );
             }
         }
-        assert_eq!(heads.len(), 3, "every request starts with one of 3 prefixes");
+        assert_eq!(
+            heads.len(),
+            3,
+            "every request starts with one of 3 prefixes"
+        );
         let mut counts: Vec<u32> = heads.into_values().collect();
         counts.sort();
         assert!(

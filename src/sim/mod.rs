@@ -277,10 +277,16 @@ impl SimulateArgs {
     pub fn with_flag(&self, flag: &str, value: &str) -> anyhow::Result<SimulateArgs> {
         use clap::{Args as _, FromArgMatches as _};
         let command = SimulateArgs::augment_args(clap::Command::new("simulate"));
-        let argv = ["simulate", "--generate", "agentic", &format!("--{flag}"), value];
-        let matches = command
-            .try_get_matches_from(argv)
-            .map_err(|e| anyhow::anyhow!("--{flag} {value}: {}", crate::config::clap_error_line(&e)))?;
+        let argv = [
+            "simulate",
+            "--generate",
+            "agentic",
+            &format!("--{flag}"),
+            value,
+        ];
+        let matches = command.try_get_matches_from(argv).map_err(|e| {
+            anyhow::anyhow!("--{flag} {value}: {}", crate::config::clap_error_line(&e))
+        })?;
         let parsed = SimulateArgs::from_arg_matches(&matches)
             .map_err(|e| anyhow::anyhow!("--{flag} {value}: {e}"))?;
         let mut args = self.clone();
@@ -485,7 +491,11 @@ fn run_sweep(args: &SimulateArgs, sweep: &Sweep, out: &mut dyn Write) -> anyhow:
             description = one.describe(&trace);
         }
         if !args.quiet {
-            eprintln!("simulate: --{} {value}: {}", sweep.flag, one.describe(&trace));
+            eprintln!(
+                "simulate: --{} {value}: {}",
+                sweep.flag,
+                one.describe(&trace)
+            );
         }
         let reports = simulate_all(&trace, &config, &args.policy, threads, None)?;
         runs.push((value.clone(), reports));
