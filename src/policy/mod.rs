@@ -184,11 +184,11 @@ impl Default for PolicyConfig {
 
 /// Default of [`PolicyConfig::min_match_ratio`], chosen from the simulator sweep in
 /// `docs/quality.md`.
-pub const DEFAULT_MIN_MATCH_RATIO: f64 = 0.0;
+pub const DEFAULT_MIN_MATCH_RATIO: f64 = 0.1;
 
 /// Default of [`PolicyConfig::backlog_pressure_tokens`], chosen from the simulator sweep in
 /// `docs/quality.md`.
-pub const DEFAULT_BACKLOG_PRESSURE_TOKENS: u64 = 0;
+pub const DEFAULT_BACKLOG_PRESSURE_TOKENS: u64 = 65_536;
 
 impl PolicyConfig {
     /// Blocks a match must reach to make owners for a prompt of `prompt_blocks` blocks: at
