@@ -184,7 +184,7 @@ impl Default for PolicyConfig {
 
 /// Default of [`PolicyConfig::min_match_ratio`], chosen from the simulator sweep in
 /// `docs/quality.md`.
-pub const DEFAULT_MIN_MATCH_RATIO: f64 = 0.1;
+pub const DEFAULT_MIN_MATCH_RATIO: f64 = 0.2;
 
 /// Default of [`PolicyConfig::backlog_pressure_tokens`], chosen from the simulator sweep in
 /// `docs/quality.md`.
