@@ -91,7 +91,7 @@ pub struct PolicyArgs {
     #[arg(long, env = "KVROUTED_MIN_MATCH_BLOCKS")]
     pub min_match_blocks: Option<u32>,
     /// A match must also cover this fraction (0..1) of the prompt's blocks, rounded up, to make
-    /// owners [default: the value in docs/quality.md's sweep]
+    /// owners (chosen by the simulator sweep in docs/quality.md) [default: 0.2]
     #[arg(long, env = "KVROUTED_MIN_MATCH_RATIO", value_parser = parse_fraction)]
     pub min_match_ratio: Option<f64>,
     /// At the owner ceiling, still spill (once per cooldown, `overload_spill`) when every known
@@ -99,7 +99,7 @@ pub struct PolicyArgs {
     #[arg(long, env = "KVROUTED_CEILING_OVERFLOW_PRESSURE", value_parser = parse_optional_pressure)]
     pub ceiling_overflow_pressure: Option<OptionalPressure>,
     /// Fold unfinished reserved prefill into pressure: this many tokens count as 1.0 of pressure;
-    /// 0 does not fold [default: the value in docs/quality.md's sweep]
+    /// 0 does not fold (chosen by the simulator sweep in docs/quality.md) [default: 65536]
     #[arg(long, env = "KVROUTED_BACKLOG_PRESSURE_TOKENS")]
     pub backlog_pressure_tokens: Option<u64>,
     /// How long the router's own routing records count as ownership [default: 120s]
