@@ -141,3 +141,68 @@ impl Reservations {
         self.open.is_empty()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+    use crate::input::WorkerId;
+
+    /// The shapes a snapshot had before reservations had a prefill part and a deadline heap.
+    #[derive(Serialize)]
+    struct OldReservation {
+        slot: Slot,
+        work: u64,
+        expires_ms: u64,
+    }
+    #[derive(Serialize)]
+    struct OldReservations {
+        open: FxHashMap<u64, OldReservation>,
+        queue: VecDeque<(u64, u64)>,
+    }
+
+    #[test]
+    fn a_snapshot_from_before_prefill_parts_decodes_and_expires_by_its_deadlines() {
+        let old = OldReservations {
+            open: [
+                (
+                    7,
+                    OldReservation {
+                        slot: 0,
+                        work: 100,
+                        expires_ms: 900,
+                    },
+                ),
+                (
+                    8,
+                    OldReservation {
+                        slot: 0,
+                        work: 50,
+                        expires_ms: 500,
+                    },
+                ),
+            ]
+            .into_iter()
+            .collect(),
+            // Creation order, not deadline order: the later one expires first.
+            queue: VecDeque::from([(900, 7), (500, 8)]),
+        };
+        let bytes = rmp_serde::to_vec(&old).unwrap();
+        let mut reservations: Reservations =
+            rmp_serde::from_slice(&bytes).expect("old snapshots stay decodable");
+        assert_eq!(
+            reservations.get(7).map(|r| (r.work, r.prefill)),
+            Some((100, 0)),
+            "an old reservation has no prefill part"
+        );
+        let mut workers = Workers::default();
+        let (slot, _) = workers.touch(&WorkerId::new("w").unwrap(), 0);
+        workers.get_mut(slot).unwrap().reserved_work = 150;
+        assert_eq!(reservations.expire(&mut workers, 500), 1, "8 at 500");
+        assert_eq!(workers.get(slot).unwrap().reserved_work, 100);
+        assert_eq!(reservations.expire(&mut workers, 899), 0);
+        assert_eq!(reservations.expire(&mut workers, 900), 1, "7 at 900");
+        assert!(reservations.is_empty());
+    }
+}
