@@ -140,6 +140,7 @@ fn route_long_prompt(c: &mut Criterion) {
                     seq,
                     Input::Release {
                         reservation: seq - 1,
+                        phase: None,
                     },
                 ));
                 seq += 1;

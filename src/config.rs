@@ -26,7 +26,7 @@ fn ms(d: Duration) -> u64 {
     d.as_millis() as u64
 }
 
-fn parse_fraction(s: &str) -> Result<f64, String> {
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
     if v.is_finite() && (0.0..=1.0).contains(&v) {
         Ok(v)
@@ -50,12 +50,39 @@ fn parse_model_block_size(s: &str) -> Result<(String, u32), String> {
     }
 }
 
+/// Parses a pressure threshold (a non-negative number; above 1 means requests queue beyond the
+/// batch) or `off`.
+pub fn parse_optional_pressure(s: &str) -> Result<OptionalPressure, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(OptionalPressure(None));
+    }
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is neither a number nor off"))?;
+    if v.is_finite() && v >= 0.0 {
+        Ok(OptionalPressure(Some(v)))
+    } else {
+        Err(format!("{v} is not a non-negative number"))
+    }
+}
+
+/// A pressure threshold that can be switched off (`off`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptionalPressure(pub Option<f64>);
+
+impl From<OptionalPressure> for Option<f64> {
+    fn from(v: OptionalPressure) -> Self {
+        v.0
+    }
+}
+
 /// Routing settings, shared by `serve` (defaults as shown) and `replay` (where a flag given
 /// overrides the recorded setting: a counterfactual). The defaults are `RouterConfig::default()`;
 /// [`with_router_defaults`] shows them in the help, so they are written once, in the core.
 #[derive(Debug, Clone, Default, Args)]
 pub struct PolicyArgs {
-    /// Routing policy: pressure_first, or a baseline (legacy, round_robin, p2c, longest_prefix)
+    /// Routing policy: pressure_first, or a baseline (legacy, round_robin, p2c, longest_prefix,
+    /// dynamo_cost)
     #[arg(long, env = "KVROUTED_POLICY")]
     pub policy: Option<PolicyKind>,
     /// Tokens per KV block; events with another block size are rejected
@@ -88,6 +115,18 @@ pub struct PolicyArgs {
     /// Matches shorter than this many blocks are cold misses
     #[arg(long, env = "KVROUTED_MIN_MATCH_BLOCKS")]
     pub min_match_blocks: Option<u32>,
+    /// A match must also cover this fraction (0..1) of the prompt's blocks, rounded up, to make
+    /// owners (chosen by the simulator sweep in docs/quality.md)
+    #[arg(long, env = "KVROUTED_MIN_MATCH_RATIO", value_parser = parse_fraction)]
+    pub min_match_ratio: Option<f64>,
+    /// At the owner ceiling, still spill (once per cooldown, `overload_spill`) when every known
+    /// owner's pressure is above this; `off` never
+    #[arg(long, env = "KVROUTED_CEILING_OVERFLOW_PRESSURE", value_parser = parse_optional_pressure)]
+    pub ceiling_overflow_pressure: Option<OptionalPressure>,
+    /// Fold unfinished reserved prefill into pressure: this many tokens count as 1.0 of pressure;
+    /// 0 does not fold (chosen by the simulator sweep in docs/quality.md)
+    #[arg(long, env = "KVROUTED_BACKLOG_PRESSURE_TOKENS")]
+    pub backlog_pressure_tokens: Option<u64>,
     /// How long the router's own routing records count as ownership
     #[arg(long, env = "KVROUTED_APPROX_TTL", value_parser = parse_duration)]
     pub approx_ttl: Option<Duration>,
@@ -129,6 +168,17 @@ pub fn with_router_defaults(cli: clap::Command) -> clap::Command {
         ("pressure_slack", format!("{:.2}", policy.pressure_slack)),
         ("telemetry_max_age", duration(policy.telemetry_max_age_ms)),
         ("min_match_blocks", policy.min_match_blocks.to_string()),
+        ("min_match_ratio", policy.min_match_ratio.to_string()),
+        (
+            "ceiling_overflow_pressure",
+            policy
+                .ceiling_overflow_pressure
+                .map_or_else(|| "off".to_owned(), |p| p.to_string()),
+        ),
+        (
+            "backlog_pressure_tokens",
+            policy.backlog_pressure_tokens.to_string(),
+        ),
         ("approx_ttl", duration(config.approx_ttl_ms)),
         ("approx_max_records", config.approx_max_records.to_string()),
         ("reservation_ttl", duration(config.reservation_ttl_ms)),
@@ -189,6 +239,17 @@ impl PolicyArgs {
             p.min_match_blocks,
             self.min_match_blocks,
             "min_match_blocks"
+        );
+        set!(p.min_match_ratio, self.min_match_ratio, "min_match_ratio");
+        set!(
+            p.ceiling_overflow_pressure,
+            self.ceiling_overflow_pressure,
+            "ceiling_overflow_pressure"
+        );
+        set!(
+            p.backlog_pressure_tokens,
+            self.backlog_pressure_tokens,
+            "backlog_pressure_tokens"
         );
         set!(config.block_size, self.block_size, "block_size");
         if !self.model_block_size.is_empty() {

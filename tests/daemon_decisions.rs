@@ -396,3 +396,67 @@ async fn explain_shows_every_known_worker_with_depth_pressure_telemetry_age_and_
         "the route reserved prompt tokens + max_output_tokens on the owner"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_at_the_first_token_gives_back_the_prefill_part_and_the_final_release_the_rest() {
+    let mut fleet = Fleet::start(&[], &["w"]).await;
+    fleet.store("w", &prompt(1, 4)).await;
+    fleet.load("w", 0.1).await;
+    // 8 blocks of 16 tokens, 4 of them cached on w: 64 tokens to prefill.
+    let body = fleet
+        .route(&prompt(1, 8), json!({"max_output_tokens": 100}))
+        .await;
+    assert_eq!(decided(&body), ("w", "owner_hold"), "{body}");
+    let reservation = body["reservation"].clone();
+    let reserved = |w: Option<Value>| w.and_then(|w| w["reserved_work"].as_u64());
+    assert_eq!(
+        reserved(fleet.daemon.worker("w").await),
+        Some(128 + 100),
+        "work = prompt + output"
+    );
+
+    let (status, reply) = fleet
+        .daemon
+        .post(
+            "/v1/release",
+            &json!({"reservation": reservation, "phase": "prefill"}),
+        )
+        .await;
+    assert_eq!(
+        (status, &reply),
+        (200, &json!({"released": reservation, "phase": "prefill"})),
+        "the first token releases the prefill part"
+    );
+    assert_eq!(
+        reserved(fleet.daemon.worker("w").await),
+        Some(64 + 100),
+        "the 64 uncached prompt tokens are given back, the rest stays"
+    );
+
+    let (status, reply) = fleet
+        .daemon
+        .post(
+            "/v1/release",
+            &json!({"reservation": reservation, "phase": "decode"}),
+        )
+        .await;
+    assert_eq!(status, 400, "an unknown phase is bad input: {reply}");
+    assert!(
+        reply["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("prefill")),
+        "the error names the phases there are: {reply}"
+    );
+
+    let (status, _) = fleet
+        .daemon
+        .post("/v1/release", &json!({"reservation": reservation}))
+        .await;
+    assert_eq!(status, 200, "the request finished: everything else");
+    assert_eq!(reserved(fleet.daemon.worker("w").await), Some(0));
+    let (status, _) = fleet
+        .daemon
+        .post("/v1/release", &json!({"reservation": reservation}))
+        .await;
+    assert_eq!(status, 404, "a released reservation is gone");
+}

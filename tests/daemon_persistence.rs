@@ -679,6 +679,39 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
         rr.changed > 0 && rr.changed <= rr.decisions,
         "round robin moves some decisions: {stdout}"
     );
+
+    // The routing-quality settings and the dynamo_cost baseline are counterfactuals too.
+    let (ok, _, stdout, stderr) = cf(
+        &[
+            "--min-match-ratio",
+            "1",
+            "--backlog-pressure-tokens",
+            "0",
+            "--ceiling-overflow-pressure",
+            "1.5",
+        ],
+        false,
+    );
+    assert!(ok, "the new policy flags replay: {stderr}");
+    for change in [
+        "min_match_ratio: 0.2 -> 1.0",
+        "backlog_pressure_tokens: 65536 -> 0",
+        "ceiling_overflow_pressure: None -> Some(1.5)",
+    ] {
+        assert!(
+            stderr.contains(&format!("counterfactual: {change}")),
+            "the override {change} is named: {stderr}"
+        );
+    }
+    assert_eq!(replay_report(&stdout).decisions, told.len() as u64);
+    let (ok, _, stdout, stderr) = cf(&["--policy", "dynamo_cost"], false);
+    assert!(ok, "dynamo_cost replays: {stderr}");
+    let dynamo = replay_report(&stdout);
+    assert_eq!(dynamo.decisions, told.len() as u64);
+    assert!(
+        dynamo.changed > 0,
+        "dynamo_cost spreads cold misses and spills differently: {stdout}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -56,13 +56,15 @@ async fn the_http_examples_in_schemas_are_accepted() {
         assert_eq!(status, 200, "{name} is a valid route request: {body}");
         assert_eq!(body["worker"], "worker-1");
     }
-    let (status, body) = daemon.post("/v1/release", &example("release.json")).await;
-    assert_eq!(
-        status, 404,
-        "release.json decodes; reservation 42 is unknown here: {body}"
-    );
-    assert!(
-        body["error"].as_str().unwrap().contains("42"),
-        "the error names the reservation"
-    );
+    for name in ["release.json", "release-prefill.json"] {
+        let (status, body) = daemon.post("/v1/release", &example(name)).await;
+        assert_eq!(
+            status, 404,
+            "{name} decodes; reservation 42 is unknown here: {body}"
+        );
+        assert!(
+            body["error"].as_str().unwrap().contains("42"),
+            "the error names the reservation"
+        );
+    }
 }

@@ -185,7 +185,7 @@ fn json_output_has_exactly_the_documented_keys() {
     let decisions = policies[0]["decisions"].as_object().unwrap();
     assert_eq!(
         decisions.len(),
-        7,
+        kvrouted::policy::DecisionLabel::ALL.len(),
         "every decision label is reported, zero or not"
     );
 }
@@ -322,4 +322,89 @@ fn the_plot_is_an_svg_with_a_curve_and_a_bar_per_policy() {
     for r in &reports {
         assert!(svg.contains(r.policy.as_str()));
     }
+}
+
+#[test]
+fn gateways_release_the_prefill_part_at_the_first_token_and_the_rest_at_completion() {
+    let trace = small_agentic(7);
+    let n = trace.requests.len() as u64;
+    for r in run_all(&trace, &tight_fleet()) {
+        assert_eq!(
+            r.first_token_releases, n,
+            "{}: every request's first token releases its prefill part",
+            r.policy
+        );
+        assert_eq!(
+            r.reserved_work_at_end, 0,
+            "{}: completions give back the rest of every reservation",
+            r.policy
+        );
+    }
+}
+
+#[test]
+fn the_shared_prefix_generator_runs_single_turn_requests_behind_common_prefixes() {
+    let out = run(
+        "--generate shared-prefix --requests 200 --prefixes 2 --prefix-tokens 4096 \
+         --request-rate 4 --workers 4 --quiet --policy pressure_first,dynamo_cost",
+    );
+    assert!(
+        out.starts_with("generated shared-prefix workload: 200 requests"),
+        "{out}"
+    );
+    assert!(
+        out.contains("dynamo_cost"),
+        "the dynamo_cost baseline runs: {out}"
+    );
+    let a = args("--generate shared-prefix --requests 300 --prefixes 2 --prefix-tokens 4096");
+    let trace = a.workload().unwrap();
+    assert!(
+        trace.ideal_hit_ratio() > 0.5,
+        "8 shared blocks of about 10 per request are reusable: {}",
+        trace.ideal_hit_ratio()
+    );
+}
+
+#[test]
+fn a_sweep_runs_the_workload_once_per_value_with_the_value_as_a_column() {
+    let flags = "--generate agentic --sessions 10 --turns 3 --workers 2 --quiet \
+                 --policy pressure_first --sweep min-match-ratio=0,0.9";
+    let out = run(flags);
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("pressure_first"))
+        .collect();
+    assert_eq!(rows.len(), 2, "one row per value: {out}");
+    assert!(
+        rows[0].starts_with("0 ") && rows[1].starts_with("0.9 "),
+        "{out}"
+    );
+    let json = run(&format!("{flags} --json"));
+    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(doc["flag"], "min-match-ratio");
+    let runs = doc["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(
+        (runs[0]["value"].as_str(), runs[1]["value"].as_str()),
+        (Some("0"), Some("0.9"))
+    );
+    let holds = |run: &serde_json::Value| run["policies"][0]["decisions"]["owner_hold"].as_u64();
+    assert!(
+        holds(&runs[0]) > holds(&runs[1]),
+        "a 0.9 ratio turns most shallow matches into cold misses: the value was applied"
+    );
+}
+
+#[test]
+fn a_sweep_of_a_flag_that_cannot_be_swept_or_a_bad_value_is_an_error() {
+    let cli = |line: &str| {
+        let argv = std::iter::once("simulate").chain(line.split_whitespace());
+        Cli::try_parse_from(argv).map(|c| c.args)
+    };
+    let err = cli("--generate agentic --sweep policy=p2c").expect_err("rejected");
+    assert!(err.to_string().contains("cannot be swept"), "{err}");
+    let bad = args("--generate agentic --sessions 2 --quiet --sweep min-match-ratio=2");
+    let mut out = Vec::new();
+    let err = sim::run_to(&bad, &mut out).expect_err("2 is not a fraction");
+    assert!(err.to_string().contains("min-match-ratio"), "{err}");
 }

@@ -22,6 +22,7 @@ use serde_json::json;
 use crate::hashing;
 use crate::input::{RejectReason, Rejection, RouteRequest, WorkerId};
 use crate::prom::reject;
+use crate::reservations::ReleasePhase;
 use crate::status::Status;
 use crate::writer::{RouteError, WriterGone, WriterHandle};
 
@@ -283,6 +284,9 @@ async fn route(
 #[derive(Debug, Deserialize)]
 struct ReleaseBody {
     reservation: u64,
+    /// `prefill`: the gateway saw the first token; only the prefill part is given back.
+    #[serde(default)]
+    phase: Option<ReleasePhase>,
 }
 
 async fn release(
@@ -291,18 +295,18 @@ async fn release(
     body: Result<RequestBody, ApiError>,
 ) -> Result<Response, ApiError> {
     let RequestBody(body) = body?;
-    let ReleaseBody { reservation } = parse_body(&headers, &body)?;
-    if !state.writer.release(reservation).await? {
+    let ReleaseBody { reservation, phase } = parse_body(&headers, &body)?;
+    if !state.writer.release(reservation, phase).await? {
         return Err(ApiError(
             StatusCode::NOT_FOUND,
             format!("reservation {reservation} is unknown, released or expired"),
         ));
     }
-    Ok(reply(
-        &headers,
-        StatusCode::OK,
-        &json!({ "released": reservation }),
-    ))
+    let released = match phase {
+        Some(phase) => json!({ "released": reservation, "phase": phase }),
+        None => json!({ "released": reservation }),
+    };
+    Ok(reply(&headers, StatusCode::OK, &released))
 }
 
 async fn workers(State(state): State<AppState>) -> Result<Response, ApiError> {

@@ -3,9 +3,10 @@
 //! Every input reaches the core as a [`Stamped`] input with the simulated clock and an
 //! increasing sequence number, exactly as the daemon journals them: lifecycle joins, KV event
 //! batches (after the configured delay), load samples (at the configured interval), route
-//! requests, releases and ticks. Nothing here reads the wall clock, and ties between events at
-//! the same simulated instant are broken by the order they were scheduled in, so a run is a
-//! pure function of the trace, the configuration and the seed.
+//! requests, releases (the prefill part at the first token, the rest at completion) and ticks.
+//! Nothing here reads the wall clock, and ties between events at the same simulated instant are
+//! broken by the order they were scheduled in, so a run is a pure function of the trace, the
+//! configuration and the seed.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -22,6 +23,7 @@ use crate::input::{
     Stamped, WorkerId,
 };
 use crate::policy::{DecisionLabel, PolicyKind};
+use crate::reservations::ReleasePhase;
 use crate::router::{Output, Router, RouterConfig};
 
 /// The daemon clock (ms) at simulated time zero. Any value works; a nonzero one keeps
@@ -143,11 +145,18 @@ pub struct PolicyReport {
     pub router_rejections: u64,
     /// After the last event, the router's authoritative index equals the workers' caches.
     pub index_in_sync: bool,
+    /// Prefill parts the gateways released at a request's first token that the router found.
+    pub first_token_releases: u64,
+    /// Reserved work the router still holds after the last event (every request finished and
+    /// released its reservation: 0).
+    pub reserved_work_at_end: u64,
 }
 
 #[derive(Debug)]
 enum Ev {
     Arrive(usize),
+    /// The gateway sees the request's first token and releases the prefill part.
+    FirstToken(usize),
     Finish(usize),
     Deliver(Input),
     Load(usize),
@@ -227,6 +236,7 @@ struct Sim<'a> {
     decisions: [u64; DecisionLabel::ALL.len()],
     follow_ups: u64,
     follow_up_moves: u64,
+    first_token_releases: u64,
     first_arrival_us: Option<u64>,
     last_finish_us: u64,
     progress: Option<Progress<'a>>,
@@ -300,6 +310,7 @@ pub fn simulate(
         decisions: [0; DecisionLabel::ALL.len()],
         follow_ups: 0,
         follow_up_moves: 0,
+        first_token_releases: 0,
         first_arrival_us: None,
         last_finish_us: 0,
         progress,
@@ -373,6 +384,16 @@ impl Sim<'_> {
             }
             match ev {
                 Ev::Arrive(r) => self.arrive(r)?,
+                Ev::FirstToken(r) => {
+                    let reservation = self.reqs[r].reservation;
+                    let out = self.apply(Input::Release {
+                        reservation,
+                        phase: Some(ReleasePhase::Prefill),
+                    });
+                    if out == (Output::Released { found: true }) {
+                        self.first_token_releases += 1;
+                    }
+                }
                 Ev::Finish(r) => self.finish(r),
                 Ev::Deliver(mut input) => {
                     // The publisher numbers batches as it sends them; with one delay for all
@@ -579,6 +600,7 @@ impl Sim<'_> {
                 );
                 self.schedule(prefill_end + delay, Ev::Deliver(batch));
             }
+            self.schedule(prefill_end, Ev::FirstToken(r));
             self.schedule(finish, Ev::Finish(r));
         }
     }
@@ -598,7 +620,10 @@ impl Sim<'_> {
         let (w, stored, private, reservation) =
             (state.worker, state.stored, state.private, state.reservation);
         self.workers[w].release(&self.keys[r][..stored], private);
-        self.apply(Input::Release { reservation });
+        self.apply(Input::Release {
+            reservation,
+            phase: None,
+        });
         self.completed += 1;
         self.last_finish_us = self.now_us;
         if let Some(next) = self.follow_up[r] {
@@ -687,6 +712,13 @@ impl Sim<'_> {
             peak_blocks: self.workers.iter().map(|w| w.peak_used).collect(),
             router_rejections: self.rejections,
             index_in_sync: self.index_in_sync(),
+            first_token_releases: self.first_token_releases,
+            reserved_work_at_end: self
+                .router
+                .worker_rows(EPOCH_MS + self.now_us / 1000)
+                .iter()
+                .map(|w| w.reserved_work)
+                .sum(),
         }
     }
 }

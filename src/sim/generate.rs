@@ -1,5 +1,7 @@
-//! A generator of agentic trajectories (DESIGN.md §10): tool-using agent sessions whose turns
-//! each re-send the whole previous context plus the model's last answer and new tool output.
+//! Workload generators: agentic trajectories (tool-using agent sessions whose turns each
+//! re-send the whole previous context plus the model's last answer and new tool output) and
+//! shared-system-prompt traffic (many single-turn requests behind a few long common prefixes,
+//! the herding case).
 //!
 //! Hash ids follow the Mooncake convention so the generated trace is replayed exactly like a
 //! real one: a session's turn `i + 1` repeats the ids of turn `i`'s full blocks and appends new
@@ -131,9 +133,143 @@ pub fn agentic(params: &AgenticParams, block_tokens: u32, seed: u64) -> anyhow::
     Trace::new(block_tokens, requests)
 }
 
+/// Parameters of the shared-system-prompt generator. Token counts are means of exponential
+/// distributions unless said otherwise.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedPrefixParams {
+    /// Number of requests (each a single turn).
+    pub requests: usize,
+    /// Request arrival rate, requests per second (Poisson).
+    pub request_rate: f64,
+    /// Number of distinct common prefixes.
+    pub prefixes: usize,
+    /// Tokens of each common prefix (fixed).
+    pub prefix_tokens: u64,
+    /// Zipf exponent of prefix popularity: 0 = uniform, 1 = the first prefix is twice as
+    /// popular as the second.
+    pub prefix_skew: f64,
+    /// Tokens of each request's own part after the prefix.
+    pub suffix_tokens: u64,
+    /// Output tokens per request.
+    pub output_tokens: u64,
+}
+
+impl Default for SharedPrefixParams {
+    fn default() -> Self {
+        SharedPrefixParams {
+            requests: 6000,
+            request_rate: 8.0,
+            prefixes: 4,
+            prefix_tokens: 8192,
+            prefix_skew: 1.0,
+            suffix_tokens: 1024,
+            output_tokens: 300,
+        }
+    }
+}
+
+/// Generates single-turn requests, each a common prefix (drawn by Zipf popularity) followed by
+/// a part of its own.
+pub fn shared_prefix(
+    params: &SharedPrefixParams,
+    block_tokens: u32,
+    seed: u64,
+) -> anyhow::Result<Trace> {
+    anyhow::ensure!(block_tokens > 0, "block tokens must be positive");
+    anyhow::ensure!(
+        params.request_rate.is_finite() && params.request_rate > 0.0,
+        "request rate must be positive"
+    );
+    anyhow::ensure!(params.prefixes >= 1, "at least one common prefix is needed");
+    anyhow::ensure!(
+        params.prefix_skew.is_finite() && params.prefix_skew >= 0.0,
+        "prefix skew must be a non-negative number"
+    );
+    let bt = block_tokens as u64;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut next_id = 0u64;
+    let mut fresh = || {
+        next_id += 1;
+        next_id - 1
+    };
+    let prefix_blocks = (params.prefix_tokens / bt) as usize;
+    let prefixes: Vec<Vec<u64>> = (0..params.prefixes)
+        .map(|_| (0..prefix_blocks).map(|_| fresh()).collect())
+        .collect();
+    let weights: Vec<f64> = (1..=params.prefixes)
+        .map(|rank| (rank as f64).powf(-params.prefix_skew))
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut requests = Vec::with_capacity(params.requests);
+    let mut at_us = 0f64;
+    for _ in 0..params.requests {
+        at_us += exp_draw(&mut rng, 1e6 / params.request_rate, 0.0);
+        let mut pick = rng.random::<f64>() * total;
+        let mut p = 0;
+        while p + 1 < weights.len() && pick >= weights[p] {
+            pick -= weights[p];
+            p += 1;
+        }
+        let input =
+            params.prefix_tokens + exp_draw(&mut rng, params.suffix_tokens as f64, 1.0) as u64;
+        let mut hash_ids = prefixes[p].clone();
+        while (hash_ids.len() as u64 + 1) * bt <= input {
+            hash_ids.push(fresh());
+        }
+        if input % bt != 0 {
+            hash_ids.push(fresh());
+        }
+        let output = exp_draw(&mut rng, params.output_tokens as f64, 1.0) as u64;
+        requests.push(TraceRequest {
+            arrival_us: at_us as u64,
+            input_tokens: input,
+            output_tokens: output,
+            hash_ids,
+            follows: None,
+        });
+    }
+    Trace::new(block_tokens, requests)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_prefix_requests_share_one_of_the_common_prefixes_and_nothing_after_it() {
+        let params = SharedPrefixParams {
+            requests: 300,
+            prefixes: 3,
+            prefix_tokens: 2048,
+            ..SharedPrefixParams::default()
+        };
+        let trace = shared_prefix(&params, 512, 5).unwrap();
+        assert_eq!(trace.requests.len(), 300);
+        let mut heads = std::collections::BTreeMap::new();
+        let mut seen_after = std::collections::HashSet::new();
+        for r in &trace.requests {
+            assert!(r.follows.is_none(), "every request is a single turn");
+            assert!(r.input_tokens > 2048, "a prefix and a part of its own");
+            *heads.entry(r.hash_ids[..4].to_vec()).or_insert(0) += 1;
+            for id in &r.hash_ids[4..] {
+                assert!(
+                    seen_after.insert(*id),
+                    "block {id} after the prefix is unique"
+                );
+            }
+        }
+        assert_eq!(
+            heads.len(),
+            3,
+            "every request starts with one of 3 prefixes"
+        );
+        let mut counts: Vec<u32> = heads.into_values().collect();
+        counts.sort();
+        assert!(
+            counts[2] > counts[0],
+            "Zipf popularity: the most popular prefix beats the least ({counts:?})"
+        );
+    }
 
     #[test]
     fn each_turn_resends_the_previous_turns_full_blocks() {

@@ -3,7 +3,7 @@
 //! cache reuse, duplication, eviction and time to first token.
 //!
 //! - [`trace`]: Mooncake JSONL traces and the [`Trace`] model;
-//! - [`generate`]: the agentic-trajectory generator;
+//! - [`generate`]: the agentic-trajectory and shared-system-prompt generators;
 //! - [`worker`]: one simulated worker (KV cache with LRU eviction, batch limit, prefill engine);
 //! - [`engine`]: the discrete-event loop around [`crate::router::Router::apply`];
 //! - [`report`] and [`plot`]: table, JSON and SVG output.
@@ -26,7 +26,7 @@ use std::time::Duration;
 use anyhow::Context;
 
 pub use engine::{percentile, simulate, trace_keys, PolicyReport, SimConfig};
-pub use generate::AgenticParams;
+pub use generate::{AgenticParams, SharedPrefixParams};
 pub use trace::{FollowUp, Trace, TraceRequest};
 
 use crate::config::parse_duration;
@@ -38,6 +38,59 @@ use crate::router::RouterConfig;
 pub enum Generator {
     /// Tool-using agent sessions: every turn re-sends the whole previous context.
     Agentic,
+    /// Single-turn requests behind a few long common prefixes (system prompts): the herding case.
+    SharedPrefix,
+}
+
+/// `--sweep FLAG=v1,v2,...`: the same workload once per value of one flag.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sweep {
+    /// The flag's long name, without dashes.
+    pub flag: String,
+    pub values: Vec<String>,
+}
+
+/// Flags `--sweep` can vary: router settings and the fleet and load around them.
+pub const SWEEPABLE: [&str; 17] = [
+    "min-match-blocks",
+    "min-match-ratio",
+    "ceiling-overflow-pressure",
+    "backlog-pressure-tokens",
+    "max-owners-per-prefix",
+    "spill-cooldown",
+    "pressure-high-water",
+    "pressure-slack",
+    "approx-ttl",
+    "workers",
+    "capacity-blocks",
+    "max-running",
+    "speedup",
+    "session-rate",
+    "request-rate",
+    "prefix-skew",
+    "seed",
+];
+
+fn parse_sweep(s: &str) -> Result<Sweep, String> {
+    let (flag, values) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: write FLAG=v1,v2,..."))?;
+    let flag = flag.trim_start_matches('-').to_string();
+    if !SWEEPABLE.contains(&flag.as_str()) {
+        return Err(format!(
+            "--{flag} cannot be swept; sweepable: {}",
+            SWEEPABLE.join(", ")
+        ));
+    }
+    let values: Vec<String> = values
+        .split(',')
+        .filter(|v| !v.is_empty())
+        .map(str::to_string)
+        .collect();
+    if values.is_empty() {
+        return Err(format!("--sweep {flag}= names no value"));
+    }
+    Ok(Sweep { flag, values })
 }
 
 /// Flags of `kvrouted simulate`.
@@ -50,6 +103,10 @@ pub struct SimulateArgs {
     /// Generate a workload instead of reading a trace.
     #[arg(long, value_enum, value_name = "KIND")]
     pub generate: Option<Generator>,
+    /// Run the same workload once per value of one flag, e.g. `min-match-ratio=0,0.1,0.2`;
+    /// the table gets the value as its first column.
+    #[arg(long, value_name = "FLAG=V1,V2,...", value_parser = parse_sweep)]
+    pub sweep: Option<Sweep>,
     /// Tokens per block of the trace's hash ids (and the router's block size).
     #[arg(long, default_value_t = 512)]
     pub block_tokens: u32,
@@ -119,6 +176,16 @@ pub struct SimulateArgs {
     /// Router: matches shallower than this many blocks are cold misses.
     #[arg(long)]
     pub min_match_blocks: Option<u32>,
+    /// Router: matches covering less than this fraction of the prompt are cold misses.
+    #[arg(long, value_parser = crate::config::parse_fraction)]
+    pub min_match_ratio: Option<f64>,
+    /// Router: at the owner ceiling, spill anyway when every owner is above this pressure
+    /// (`off`: never).
+    #[arg(long, value_parser = crate::config::parse_optional_pressure)]
+    pub ceiling_overflow_pressure: Option<crate::config::OptionalPressure>,
+    /// Router: unfinished reserved prefill tokens that count as 1.0 of pressure (0: not folded).
+    #[arg(long)]
+    pub backlog_pressure_tokens: Option<u64>,
     /// Router: lifetime of its own routing records as ownership.
     #[arg(long, value_parser = parse_duration)]
     pub approx_ttl: Option<Duration>,
@@ -153,6 +220,25 @@ pub struct SimulateArgs {
     /// Generator: a session ends when its context would exceed this many tokens.
     #[arg(long, default_value_t = AgenticParams::default().max_context_tokens)]
     pub max_context_tokens: u64,
+
+    /// Shared-prefix generator: number of single-turn requests.
+    #[arg(long, default_value_t = SharedPrefixParams::default().requests)]
+    pub requests: usize,
+    /// Shared-prefix generator: requests per second (Poisson).
+    #[arg(long, default_value_t = SharedPrefixParams::default().request_rate)]
+    pub request_rate: f64,
+    /// Shared-prefix generator: number of distinct common prefixes.
+    #[arg(long, default_value_t = SharedPrefixParams::default().prefixes)]
+    pub prefixes: usize,
+    /// Shared-prefix generator: tokens of each common prefix.
+    #[arg(long, default_value_t = SharedPrefixParams::default().prefix_tokens)]
+    pub prefix_tokens: u64,
+    /// Shared-prefix generator: Zipf exponent of prefix popularity (0 = uniform).
+    #[arg(long, default_value_t = SharedPrefixParams::default().prefix_skew)]
+    pub prefix_skew: f64,
+    /// Shared-prefix generator: mean tokens of each request's own part after its prefix.
+    #[arg(long, default_value_t = SharedPrefixParams::default().suffix_tokens)]
+    pub suffix_tokens: u64,
 }
 
 impl SimulateArgs {
@@ -172,6 +258,69 @@ impl SimulateArgs {
         }
     }
 
+    /// The shared-prefix generator parameters given by the flags (`--output-tokens` is shared
+    /// with the agentic generator).
+    pub fn shared_prefix_params(&self) -> SharedPrefixParams {
+        SharedPrefixParams {
+            requests: self.requests,
+            request_rate: self.request_rate,
+            prefixes: self.prefixes,
+            prefix_tokens: self.prefix_tokens,
+            prefix_skew: self.prefix_skew,
+            suffix_tokens: self.suffix_tokens,
+            output_tokens: self.output_tokens,
+        }
+    }
+
+    /// These flags with `--{flag} {value}` set instead (for one run of a sweep). The value goes
+    /// through the flag's own parser.
+    pub fn with_flag(&self, flag: &str, value: &str) -> anyhow::Result<SimulateArgs> {
+        use clap::{Args as _, FromArgMatches as _};
+        let command = SimulateArgs::augment_args(clap::Command::new("simulate"));
+        let argv = [
+            "simulate",
+            "--generate",
+            "agentic",
+            &format!("--{flag}"),
+            value,
+        ];
+        let matches = command.try_get_matches_from(argv).map_err(|e| {
+            anyhow::anyhow!("--{flag} {value}: {}", crate::config::clap_error_line(&e))
+        })?;
+        let parsed = SimulateArgs::from_arg_matches(&matches)
+            .map_err(|e| anyhow::anyhow!("--{flag} {value}: {e}"))?;
+        let mut args = self.clone();
+        match flag {
+            "min-match-blocks" => args.min_match_blocks = parsed.min_match_blocks,
+            "min-match-ratio" => args.min_match_ratio = parsed.min_match_ratio,
+            "ceiling-overflow-pressure" => {
+                args.ceiling_overflow_pressure = parsed.ceiling_overflow_pressure
+            }
+            "backlog-pressure-tokens" => {
+                args.backlog_pressure_tokens = parsed.backlog_pressure_tokens
+            }
+            "max-owners-per-prefix" => args.max_owners_per_prefix = parsed.max_owners_per_prefix,
+            "spill-cooldown" => args.spill_cooldown = parsed.spill_cooldown,
+            "pressure-high-water" => args.pressure_high_water = parsed.pressure_high_water,
+            "pressure-slack" => args.pressure_slack = parsed.pressure_slack,
+            "approx-ttl" => args.approx_ttl = parsed.approx_ttl,
+            "workers" => args.workers = parsed.workers,
+            "capacity-blocks" => args.capacity_blocks = parsed.capacity_blocks,
+            "max-running" => args.max_running = parsed.max_running,
+            "speedup" => args.speedup = parsed.speedup,
+            "session-rate" => args.session_rate = parsed.session_rate,
+            "request-rate" => args.request_rate = parsed.request_rate,
+            "prefix-skew" => args.prefix_skew = parsed.prefix_skew,
+            "seed" => args.seed = parsed.seed,
+            other => anyhow::bail!(
+                "--{other} cannot be swept; sweepable: {}",
+                SWEEPABLE.join(", ")
+            ),
+        }
+        args.sweep = None;
+        Ok(args)
+    }
+
     /// The trace the flags describe (read or generated), limited and sped up.
     pub fn workload(&self) -> anyhow::Result<Trace> {
         anyhow::ensure!(
@@ -188,7 +337,20 @@ impl SimulateArgs {
                 }
                 t
             }
-            (None, None) => anyhow::bail!("give --trace FILE or --generate agentic"),
+            (None, Some(Generator::SharedPrefix)) => {
+                let mut t = generate::shared_prefix(
+                    &self.shared_prefix_params(),
+                    self.block_tokens,
+                    self.seed,
+                )?;
+                if let Some(limit) = self.limit {
+                    t.truncate(limit);
+                }
+                t
+            }
+            (None, None) => {
+                anyhow::bail!("give --trace FILE or --generate agentic|shared-prefix")
+            }
         };
         if self.speedup != 1.0 {
             trace.speed_up(self.speedup);
@@ -215,6 +377,15 @@ impl SimulateArgs {
         if let Some(v) = self.min_match_blocks {
             policy.min_match_blocks = v;
         }
+        if let Some(v) = self.min_match_ratio {
+            policy.min_match_ratio = v;
+        }
+        if let Some(v) = self.ceiling_overflow_pressure {
+            policy.ceiling_overflow_pressure = v.0;
+        }
+        if let Some(v) = self.backlog_pressure_tokens {
+            policy.backlog_pressure_tokens = v;
+        }
         if let Some(v) = self.approx_ttl {
             router.approx_ttl_ms = v.as_millis() as u64;
         }
@@ -235,7 +406,10 @@ impl SimulateArgs {
     fn describe(&self, trace: &Trace) -> String {
         let source = match &self.trace {
             Some(path) => path.display().to_string(),
-            None => "generated agentic workload".to_string(),
+            None => match self.generate {
+                Some(Generator::SharedPrefix) => "generated shared-prefix workload".to_string(),
+                _ => "generated agentic workload".to_string(),
+            },
         };
         format!(
             "{source}: {} requests, {} workers x {} blocks of {} tokens, max_running {}",
@@ -293,6 +467,49 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<()> {
 
 /// [`run`] writing the results to `out` instead of stdout.
 pub fn run_to(args: &SimulateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    match &args.sweep {
+        Some(sweep) => run_sweep(args, sweep, out),
+        None => run_once(args, out),
+    }
+}
+
+/// One simulation per value of the swept flag, one after the other; one table (or JSON
+/// document) with the value as a column.
+fn run_sweep(args: &SimulateArgs, sweep: &Sweep, out: &mut dyn Write) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.policy.is_empty(), "--policy names no policy");
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mut runs = Vec::new();
+    let mut description = String::new();
+    for value in &sweep.values {
+        let one = args.with_flag(&sweep.flag, value)?;
+        let trace = one.workload()?;
+        let config = one.sim_config();
+        config.validate()?;
+        if description.is_empty() {
+            description = one.describe(&trace);
+        }
+        if !args.quiet {
+            eprintln!(
+                "simulate: --{} {value}: {}",
+                sweep.flag,
+                one.describe(&trace)
+            );
+        }
+        let reports = simulate_all(&trace, &config, &args.policy, threads, None)?;
+        runs.push((value.clone(), reports));
+    }
+    if args.json {
+        writeln!(out, "{}", report::sweep_to_json(&sweep.flag, &runs))?;
+    } else {
+        writeln!(out, "{description}; sweep --{}\n", sweep.flag)?;
+        write!(out, "{}", report::sweep_to_table(&sweep.flag, &runs))?;
+    }
+    Ok(())
+}
+
+fn run_once(args: &SimulateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     anyhow::ensure!(!args.policy.is_empty(), "--policy names no policy");
     let trace = args.workload()?;
     let config = args.sim_config();

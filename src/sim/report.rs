@@ -34,24 +34,25 @@ struct JsonDoc<'a> {
 /// "load_spread"}]}`, one line.
 pub fn to_json(reports: &[PolicyReport]) -> String {
     let doc = JsonDoc {
-        policies: reports
-            .iter()
-            .map(|r| JsonPolicy {
-                policy: r.policy.as_str(),
-                prefix_hit_ratio: r.prefix_hit_ratio,
-                ideal_hit_ratio: r.ideal_hit_ratio,
-                duplicate_copies: r.duplicate_copies,
-                evictions: r.evictions,
-                ttft_p50_s: r.ttft_p50_s,
-                ttft_p90_s: r.ttft_p90_s,
-                ttft_p99_s: r.ttft_p99_s,
-                throughput_rps: r.throughput_rps,
-                decisions: &r.decisions,
-                load_spread: r.load_spread,
-            })
-            .collect(),
+        policies: reports.iter().map(json_policy).collect(),
     };
     serde_json::to_string(&doc).expect("the report serializes")
+}
+
+fn json_policy(r: &PolicyReport) -> JsonPolicy<'_> {
+    JsonPolicy {
+        policy: r.policy.as_str(),
+        prefix_hit_ratio: r.prefix_hit_ratio,
+        ideal_hit_ratio: r.ideal_hit_ratio,
+        duplicate_copies: r.duplicate_copies,
+        evictions: r.evictions,
+        ttft_p50_s: r.ttft_p50_s,
+        ttft_p90_s: r.ttft_p90_s,
+        ttft_p99_s: r.ttft_p99_s,
+        throughput_rps: r.throughput_rps,
+        decisions: &r.decisions,
+        load_spread: r.load_spread,
+    }
 }
 
 /// Human-readable tables: metrics, then the decision mix.
@@ -151,4 +152,97 @@ fn write_table(out: &mut String, header: &[&str], rows: &[Vec<String>]) {
         }
         out.push('\n');
     }
+}
+
+/// Short names of the decision labels, for the one-cell decision mix of a sweep table.
+fn short_label(label: DecisionLabel) -> &'static str {
+    match label {
+        DecisionLabel::OwnerHold => "hold",
+        DecisionLabel::PressureSpill => "spill",
+        DecisionLabel::SpillCooldownHold => "cooldown",
+        DecisionLabel::NoSafeHomeHold => "no_home",
+        DecisionLabel::CeilingHold => "ceiling",
+        DecisionLabel::ColdMiss => "cold",
+        DecisionLabel::OwnerUnavailable => "unavailable",
+        DecisionLabel::OverloadSpill => "overload",
+    }
+}
+
+/// The non-zero decisions of a report, e.g. `hold 120, spill 3, cold 9`.
+pub fn decision_mix(report: &PolicyReport) -> String {
+    DecisionLabel::ALL
+        .iter()
+        .filter_map(|l| {
+            let n = report.decisions.get(l.as_str()).copied().unwrap_or(0);
+            (n > 0).then(|| format!("{} {n}", short_label(*l)))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One table for a sweep: a row per (value, policy), the swept value first.
+pub fn sweep_to_table(flag: &str, runs: &[(String, Vec<PolicyReport>)]) -> String {
+    let mut out = String::new();
+    let header = [
+        flag,
+        "policy",
+        "hit",
+        "dup_copies",
+        "evictions",
+        "ttft_p50",
+        "ttft_p90",
+        "ttft_p99",
+        "req/s",
+        "spread",
+        "decisions",
+    ];
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .flat_map(|(value, reports)| {
+            reports.iter().map(move |r| {
+                vec![
+                    value.clone(),
+                    r.policy.as_str().to_string(),
+                    format!("{:.3}", r.prefix_hit_ratio),
+                    r.duplicate_copies.to_string(),
+                    r.evictions.to_string(),
+                    format!("{:.3}s", r.ttft_p50_s),
+                    format!("{:.3}s", r.ttft_p90_s),
+                    format!("{:.3}s", r.ttft_p99_s),
+                    format!("{:.3}", r.throughput_rps),
+                    format!("{:.3}", r.load_spread),
+                    decision_mix(r),
+                ]
+            })
+        })
+        .collect();
+    write_table(&mut out, &header, &rows);
+    out
+}
+
+#[derive(Serialize)]
+struct JsonSweepRun<'a> {
+    value: &'a str,
+    policies: Vec<JsonPolicy<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonSweep<'a> {
+    flag: &'a str,
+    runs: Vec<JsonSweepRun<'a>>,
+}
+
+/// `{"flag", "runs": [{"value", "policies": [...as in to_json...]}]}`, one line.
+pub fn sweep_to_json(flag: &str, runs: &[(String, Vec<PolicyReport>)]) -> String {
+    let doc = JsonSweep {
+        flag,
+        runs: runs
+            .iter()
+            .map(|(value, reports)| JsonSweepRun {
+                value,
+                policies: reports.iter().map(json_policy).collect(),
+            })
+            .collect(),
+    };
+    serde_json::to_string(&doc).expect("the sweep serializes")
 }

@@ -29,6 +29,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::input::{Input, RouteRequest, Stamped};
 use crate::journal::{Journal, JournalEntry, RouteOutcome};
 use crate::prom;
+use crate::reservations::ReleasePhase;
 use crate::router::{BlockSizes, Decision, Output, Router, WorkerRow};
 pub use acks::{flush_and_ack, run_flusher, Ack, AckFuture, Acknowledge, PendingAcks};
 use snapshotter::{take_snapshot, Snapshotter};
@@ -112,10 +113,17 @@ impl WriterHandle {
         }
     }
 
-    /// Journals and applies a release; `false` when the reservation is unknown, released or
-    /// expired.
-    pub async fn release(&self, reservation: u64) -> Result<bool, WriterGone> {
-        match self.apply_gateway(Input::Release { reservation }).await? {
+    /// Journals and applies a release (of the prefill part with `phase`, else all of it);
+    /// `false` when the reservation is unknown, released or expired.
+    pub async fn release(
+        &self,
+        reservation: u64,
+        phase: Option<ReleasePhase>,
+    ) -> Result<bool, WriterGone> {
+        match self
+            .apply_gateway(Input::Release { reservation, phase })
+            .await?
+        {
             Output::Released { found } => Ok(found),
             other => {
                 unreachable!("the router answers a release with whether it found it: {other:?}")

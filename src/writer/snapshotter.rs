@@ -192,6 +192,11 @@ mod tests {
                 break;
             }
         }
+        // Inputs after the kept snapshot, so it is one taken mid-stream even if it covered the
+        // last input of the loop.
+        for _ in 0..10 {
+            writer.submit(Input::Tick, "test", None).await.unwrap();
+        }
         writer.shutdown().await;
         thread.join().unwrap();
         let snapshot = taken.unwrap();

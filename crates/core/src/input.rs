@@ -341,6 +341,10 @@ pub enum Input {
     Route(RouteRequest),
     Release {
         reservation: u64,
+        /// `prefill`: give back the prefill part only (the first token was produced); none:
+        /// all of it. Journals written before phases existed decode as none.
+        #[serde(default)]
+        phase: Option<crate::reservations::ReleasePhase>,
     },
     /// Periodic housekeeping: worker age-out and expiry of reservations and records.
     Tick,

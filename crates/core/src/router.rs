@@ -101,6 +101,18 @@ pub struct ExplainRow {
     pub pressure: Option<f64>,
     pub telemetry_age_ms: Option<u64>,
     pub reserved_work: u64,
+    /// Its load sample's pressure (`pressure` is what the policy ranked by).
+    #[serde(default)]
+    pub sample_pressure: Option<f64>,
+    /// Reserved prompt tokens whose prefill it has not finished.
+    #[serde(default)]
+    pub prefill_backlog_tokens: u64,
+    /// Blocks a match needed to make owners (min_match_blocks and min_match_ratio of the prompt).
+    #[serde(default)]
+    pub match_threshold: u32,
+    /// The `dynamo_cost` baseline's cost of this worker for the request (candidates only).
+    #[serde(default)]
+    pub dynamo_cost: Option<f64>,
 }
 
 /// What applying a KV event batch, load sample or lifecycle message did.
@@ -283,11 +295,12 @@ impl Router {
                 Some(decision) => Output::Routed(decision),
                 None => Output::NoCandidate,
             },
-            Input::Release { reservation } => Output::Released {
-                found: self
-                    .state
-                    .reservations
-                    .release(&mut self.state.workers, *reservation),
+            Input::Release { reservation, phase } => Output::Released {
+                found: self.state.reservations.release(
+                    &mut self.state.workers,
+                    *reservation,
+                    *phase,
+                ),
             },
             Input::Tick => Output::Tick(self.tick(now, expired as u64)),
             Input::Resume => {
@@ -798,6 +811,8 @@ impl Router {
         let host_depths = self.tier_depths(&self.state.lower.host, ns, &req.keys);
         let disk_depths = self.tier_depths(&self.state.lower.disk, ns, &req.keys);
         let max_age = self.config.policy.telemetry_max_age_ms;
+        let policy_config = &self.config.policy;
+        let block_size = self.block_size_of(req.model.as_deref());
         // One candidate per worker rank, each with its own ownership, load and reserved work.
         let views: Vec<WorkerView> = self
             .state
@@ -813,10 +828,12 @@ impl Router {
                 depth: depths[slot as usize],
                 host_depth: host_depths[slot as usize],
                 disk_depth: disk_depths[slot as usize],
-                pressure: w.fresh_pressure(now, max_age),
+                pressure: policy_config
+                    .ranked_pressure(w.fresh_pressure(now, max_age), w.reserved_prefill),
                 waiting: w.waiting(),
                 reserved_work: w.reserved_work,
                 reserved_requests: w.reserved_requests,
+                prefill_backlog_tokens: w.reserved_prefill,
             })
             .collect();
         let provisional =
@@ -824,6 +841,8 @@ impl Router {
         let view = RouteView {
             now_ms: now,
             keys: &req.keys,
+            prompt_tokens: req.prompt_tokens,
+            block_size,
             workers: &views,
             provisional: &provisional,
         };
@@ -844,6 +863,7 @@ impl Router {
             .then_some(chosen.dp_rank);
         // The chosen rank's own depth: a spill to a non-owner reuses nothing.
         let matched_blocks = chosen.depth;
+        let held_tokens = u64::from(chosen.depth).saturating_mul(u64::from(block_size));
         let mut owners: Vec<WorkerId> = choice
             .known_owners
             .iter()
@@ -851,6 +871,7 @@ impl Router {
             .collect();
         owners.sort();
         owners.dedup();
+        let match_threshold = self.config.policy.match_threshold(req.keys.len());
         let explain = req.explain.then(|| {
             views
                 .iter()
@@ -871,6 +892,12 @@ impl Router {
                         pressure: v.pressure,
                         telemetry_age_ms: w.telemetry_age_ms(now),
                         reserved_work: v.reserved_work,
+                        sample_pressure: w.fresh_pressure(now, max_age),
+                        prefill_backlog_tokens: v.prefill_backlog_tokens,
+                        match_threshold,
+                        dynamo_cost: v
+                            .candidate
+                            .then(|| policy::baselines::dynamo_cost_of(&view, v)),
                     }
                 })
                 .collect()
@@ -883,13 +910,16 @@ impl Router {
             .max_output_tokens
             .unwrap_or(self.config.output_estimate)
             .min(self.config.output_estimate);
-        let work = req.prompt_tokens + output;
+        let work = req.prompt_tokens.saturating_add(output);
+        // The prefill part: the prompt tokens the chosen worker does not already hold.
+        let prefill = req.prompt_tokens.saturating_sub(held_tokens);
         self.state.reservations.open(
             &mut self.state.workers,
             seq,
             slot,
             work,
-            now + self.config.reservation_ttl_ms,
+            prefill,
+            now.saturating_add(self.config.reservation_ttl_ms),
         );
         let ns = ns.unwrap_or_else(|| {
             self.state

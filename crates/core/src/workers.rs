@@ -71,6 +71,9 @@ pub struct Worker {
     pub retired_epochs: SmallVec<[String; 1]>,
     /// Last applied `Kv-Seq` in the current epoch.
     pub last_seq: Option<u64>,
+    /// The part of `reserved_work` that is prefill this rank has not finished.
+    #[serde(default)]
+    pub reserved_prefill: u64,
 }
 
 /// Retired epochs remembered per rank.
@@ -193,6 +196,7 @@ impl Workers {
                     epoch: None,
                     retired_epochs: SmallVec::new(),
                     last_seq: None,
+                    reserved_prefill: 0,
                     ..t
                 },
                 None => Worker {
@@ -210,6 +214,7 @@ impl Workers {
                     epoch: None,
                     retired_epochs: SmallVec::new(),
                     last_seq: None,
+                    reserved_prefill: 0,
                 },
             };
             self.slots[slot as usize] = Some(worker);

@@ -185,6 +185,7 @@ fn journal(steps: &[Step]) -> Vec<Stamped> {
             // Reservation ids are the sequence numbers of routes; some are unknown.
             Step::Release { back } => Input::Release {
                 reservation: (stamped.len() as u64 + 1).saturating_sub(back),
+                phase: None,
             },
             Step::Tick => Input::Tick,
         };
@@ -218,14 +219,17 @@ fn candidates(router: &Router, now: u64, exclude: &[WorkerId]) -> Vec<WorkerId> 
 }
 
 /// The owners of the request's longest match: candidates at the deepest depth, if it counts.
-fn owners(rows: &[ExplainRow], min_match_blocks: u32) -> Vec<&ExplainRow> {
+/// The owners a decision saw: the candidates at the deepest match, when that match reaches the
+/// threshold the explain rows name (min_match_blocks and min_match_ratio of the prompt).
+fn owners(rows: &[ExplainRow]) -> Vec<&ExplainRow> {
+    let threshold = rows.first().map_or(1, |r| r.match_threshold.max(1));
     let deepest = rows
         .iter()
         .filter(|r| r.candidate)
         .map(|r| r.depth)
         .max()
         .unwrap_or(0);
-    if deepest == 0 || deepest < min_match_blocks {
+    if deepest < threshold {
         return Vec::new();
     }
     rows.iter()
@@ -237,7 +241,7 @@ fn owners(rows: &[ExplainRow], min_match_blocks: u32) -> Vec<&ExplainRow> {
 fn check_pressure_first(config: &RouterConfig, decision: &Decision) {
     let policy = &config.policy;
     let rows = decision.explain.as_deref().expect("routes ask for explain");
-    let owners = owners(rows, policy.min_match_blocks);
+    let owners = owners(rows);
     let chosen = &decision.worker;
     match decision.decision {
         DecisionLabel::PressureSpill => {
@@ -261,6 +265,23 @@ fn check_pressure_first(config: &RouterConfig, decision: &Decision) {
             assert!(
                 owners.iter().all(|o| o.worker != *chosen),
                 "a spill goes to a new worker"
+            );
+        }
+        DecisionLabel::OverloadSpill => {
+            let overflow = policy
+                .ceiling_overflow_pressure
+                .expect("an overload spill needs --ceiling-overflow-pressure");
+            for owner in &owners {
+                assert!(
+                    owner.pressure.is_some_and(|p| p > overflow),
+                    "overload spill from {chosen} while owner {} was at or below {overflow}: \
+                     {rows:?}",
+                    owner.worker
+                );
+            }
+            assert!(
+                owners.iter().all(|o| o.worker != *chosen),
+                "an overload spill goes to a new worker"
             );
         }
         DecisionLabel::OwnerHold

@@ -13,7 +13,7 @@ use super::{
 
 /// Labels a baseline's pick the way DESIGN.md §5 would name it.
 fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
-    let (owners, depth) = longest_match(config, view).unwrap_or_default();
+    let (owners, _) = longest_match(config, view).unwrap_or_default();
     let label = if owners.contains(&worker) {
         DecisionLabel::OwnerHold
     } else if !owners.is_empty() {
@@ -26,11 +26,7 @@ fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
     Choice {
         worker,
         label,
-        matched_blocks: if owners.contains(&worker) {
-            depth
-        } else {
-            view.workers[worker].depth
-        },
+        matched_blocks: view.workers[worker].depth,
         known_owners: owners,
         spilled_prefix: None,
     }
@@ -120,5 +116,46 @@ pub fn longest_prefix(
         Some((owners, _)) => best_by(view, &owners, by_reserved_work),
         None => power_of_two(view, &candidates, rng),
     };
+    Some(labelled(config, view, worker))
+}
+
+/// `dynamo_cost`'s weight of prefill blocks against decode blocks (Dynamo's default).
+pub const PREFILL_LOAD_SCALE: f64 = 1.0;
+/// Overlap credit per block held in host memory, against 1 for a block on the device.
+pub const HOST_OVERLAP_WEIGHT: f64 = 0.75;
+/// Overlap credit per block held on disk or remote storage.
+pub const DISK_OVERLAP_WEIGHT: f64 = 0.25;
+
+/// Dynamo's cost of sending this request to `w`, on the router's own predicted load:
+/// `PREFILL_LOAD_SCALE × max(prefill_blocks − overlap_credit, 0) + decode_blocks`, where
+/// prefill_blocks = (the worker's unfinished reserved prefill tokens + this prompt's tokens) /
+/// block size, overlap_credit = device depth + 0.75 × host depth + 0.25 × disk depth, and
+/// decode_blocks = the worker's reserved work in blocks + this request's prompt blocks.
+pub fn dynamo_cost_of(view: &RouteView, w: &WorkerView) -> f64 {
+    let block = view.block_size.max(1) as f64;
+    let prefill_blocks = (w.prefill_backlog_tokens as f64 + view.prompt_tokens as f64) / block;
+    let overlap = w.depth as f64
+        + HOST_OVERLAP_WEIGHT * w.host_depth as f64
+        + DISK_OVERLAP_WEIGHT * w.disk_depth as f64;
+    let decode_blocks = w.reserved_work as f64 / block + (view.prompt_tokens as f64 / block).ceil();
+    PREFILL_LOAD_SCALE * (prefill_blocks - overlap).max(0.0) + decode_blocks
+}
+
+/// NVIDIA Dynamo's default worker selector: the candidate of lowest [`dynamo_cost_of`], ties
+/// broken by the seeded RNG.
+pub fn dynamo_cost(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Option<Choice> {
+    let candidates = positions(view, |w| w.candidate);
+    let costs: Vec<f64> = candidates
+        .iter()
+        .map(|&i| dynamo_cost_of(view, &view.workers[i]))
+        .collect();
+    let lowest = costs.iter().copied().min_by(f64::total_cmp)?;
+    let tied: Vec<usize> = candidates
+        .iter()
+        .zip(&costs)
+        .filter(|(_, &c)| c == lowest)
+        .map(|(&i, _)| i)
+        .collect();
+    let worker = tied[rng.random_range(0..tied.len())];
     Some(labelled(config, view, worker))
 }

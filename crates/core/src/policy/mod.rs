@@ -7,6 +7,8 @@
 
 pub mod baselines;
 pub mod pressure_first;
+#[cfg(test)]
+mod tests;
 
 use std::cmp::Ordering;
 use std::fmt;
@@ -31,15 +33,19 @@ pub enum PolicyKind {
     P2c,
     /// Always the deepest owner, pressure-blind.
     LongestPrefix,
+    /// NVIDIA Dynamo's default worker selector on the router's own predicted load: the lowest
+    /// cost of prefill not covered by the worker's cache plus the decode blocks it would hold.
+    DynamoCost,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 5] = [
+    pub const ALL: [PolicyKind; 6] = [
         PolicyKind::PressureFirst,
         PolicyKind::Legacy,
         PolicyKind::RoundRobin,
         PolicyKind::P2c,
         PolicyKind::LongestPrefix,
+        PolicyKind::DynamoCost,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -49,6 +55,7 @@ impl PolicyKind {
             PolicyKind::RoundRobin => "round_robin",
             PolicyKind::P2c => "p2c",
             PolicyKind::LongestPrefix => "longest_prefix",
+            PolicyKind::DynamoCost => "dynamo_cost",
         }
     }
 }
@@ -84,10 +91,12 @@ pub enum DecisionLabel {
     CeilingHold,
     ColdMiss,
     OwnerUnavailable,
+    /// A spill past the ceiling: every known owner was above `ceiling_overflow_pressure`.
+    OverloadSpill,
 }
 
 impl DecisionLabel {
-    pub const ALL: [DecisionLabel; 7] = [
+    pub const ALL: [DecisionLabel; 8] = [
         DecisionLabel::OwnerHold,
         DecisionLabel::PressureSpill,
         DecisionLabel::SpillCooldownHold,
@@ -95,6 +104,7 @@ impl DecisionLabel {
         DecisionLabel::CeilingHold,
         DecisionLabel::ColdMiss,
         DecisionLabel::OwnerUnavailable,
+        DecisionLabel::OverloadSpill,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -106,6 +116,7 @@ impl DecisionLabel {
             DecisionLabel::CeilingHold => "ceiling_hold",
             DecisionLabel::ColdMiss => "cold_miss",
             DecisionLabel::OwnerUnavailable => "owner_unavailable",
+            DecisionLabel::OverloadSpill => "overload_spill",
         }
     }
 }
@@ -137,6 +148,19 @@ pub struct PolicyConfig {
     /// `legacy`: max/min request-count ratio above this (and above `legacy_balance_abs`) is
     /// imbalance.
     pub legacy_balance_rel: f64,
+    /// A match must also cover this fraction of the prompt's blocks (rounded up) to make
+    /// owners: a short prefix every request shares (a system prompt) does not own a long prompt.
+    #[serde(default)]
+    pub min_match_ratio: f64,
+    /// At the ceiling, a spill still happens (once per cooldown) when every known owner's
+    /// pressure is above this; `None` = never.
+    #[serde(default)]
+    pub ceiling_overflow_pressure: Option<f64>,
+    /// Unfinished prefill tokens the router has reserved on a worker that count as one unit of
+    /// pressure on top of its load sample (0 = not folded in). The sample cannot see work routed
+    /// since it was taken, nor a prefill queue when the worker reports no `max_running`.
+    #[serde(default)]
+    pub backlog_pressure_tokens: u64,
 }
 
 impl Default for PolicyConfig {
@@ -151,6 +175,43 @@ impl Default for PolicyConfig {
             min_match_blocks: 1,
             legacy_balance_abs: 2,
             legacy_balance_rel: 1.5,
+            min_match_ratio: DEFAULT_MIN_MATCH_RATIO,
+            ceiling_overflow_pressure: None,
+            backlog_pressure_tokens: DEFAULT_BACKLOG_PRESSURE_TOKENS,
+        }
+    }
+}
+
+/// Default of [`PolicyConfig::min_match_ratio`], chosen from the simulator sweep in
+/// `docs/quality.md`.
+pub const DEFAULT_MIN_MATCH_RATIO: f64 = 0.2;
+
+/// Default of [`PolicyConfig::backlog_pressure_tokens`], chosen from the simulator sweep in
+/// `docs/quality.md`.
+pub const DEFAULT_BACKLOG_PRESSURE_TOKENS: u64 = 65_536;
+
+impl PolicyConfig {
+    /// Blocks a match must reach to make owners for a prompt of `prompt_blocks` blocks: at
+    /// least one, `min_match_blocks`, and (pressure-first only: baselines keep their own rule)
+    /// `min_match_ratio` of the prompt rounded up.
+    pub fn match_threshold(&self, prompt_blocks: usize) -> u32 {
+        let ratio = match self.kind {
+            PolicyKind::PressureFirst => self.min_match_ratio,
+            _ => 0.0,
+        };
+        let by_ratio = (ratio * prompt_blocks as f64 - 1e-9).ceil().max(0.0) as u32;
+        self.min_match_blocks.max(by_ratio).max(1)
+    }
+
+    /// The pressure the policy ranks a worker by: its fresh sample, plus its unfinished
+    /// reserved prefill when `backlog_pressure_tokens` folds it in. Missing or stale telemetry
+    /// stays missing (telemetry gaps fail open), and baselines see the sample as it is.
+    pub fn ranked_pressure(&self, sample: Option<f64>, prefill_backlog_tokens: u64) -> Option<f64> {
+        match (self.kind, self.backlog_pressure_tokens) {
+            (PolicyKind::PressureFirst, tokens) if tokens > 0 => {
+                sample.map(|p| p + prefill_backlog_tokens as f64 / tokens as f64)
+            }
+            _ => sample,
         }
     }
 }
@@ -168,15 +229,27 @@ pub struct WorkerView<'a> {
     /// Leading blocks of the request it holds consecutively (authoritative or fresh approximate,
     /// whichever is deeper).
     pub depth: u32,
-    /// Leading blocks of the request it holds consecutively in host memory, and on disk (each
-    /// lower tier on its own; never part of `depth`).
+    /// Leading blocks of the request it holds consecutively in host memory, and on disk or
+    /// remote storage (each lower tier on its own, never part of `depth`: reloading beats
+    /// prefill, but it is not device ownership).
     pub host_depth: u32,
     pub disk_depth: u32,
-    /// Pressure from fresh telemetry; `None` when missing or stale.
+    /// Pressure the policy ranks by: [`PolicyConfig::ranked_pressure`] of fresh telemetry;
+    /// `None` when missing or stale.
     pub pressure: Option<f64>,
     pub waiting: u32,
     pub reserved_work: u64,
     pub reserved_requests: u32,
+    /// Prompt tokens of open reservations whose prefill the worker has not finished (not yet
+    /// released with phase `prefill`).
+    pub prefill_backlog_tokens: u64,
+}
+
+impl WorkerView<'_> {
+    /// Its deepest lower-tier (host or disk) match.
+    pub fn lower_tier_depth(&self) -> u32 {
+        self.host_depth.max(self.disk_depth)
+    }
 }
 
 /// The provisional owner recorded for a prefix by an earlier spill.
@@ -191,6 +264,10 @@ pub struct RouteView<'a> {
     pub now_ms: u64,
     /// The request's block keys.
     pub keys: &'a [u64],
+    /// The request's prompt size in tokens.
+    pub prompt_tokens: u64,
+    /// Tokens per block.
+    pub block_size: u32,
     /// Every known worker, in slot order.
     pub workers: &'a [WorkerView<'a>],
     /// The provisional owner recorded for a prefix key, if any.
@@ -227,11 +304,12 @@ pub fn decide(
         PolicyKind::RoundRobin => baselines::round_robin(config, state, view),
         PolicyKind::P2c => baselines::p2c(config, view, rng),
         PolicyKind::LongestPrefix => baselines::longest_prefix(config, view, rng),
+        PolicyKind::DynamoCost => baselines::dynamo_cost(config, view, rng),
     }
 }
 
 /// The deepest match among candidates: positions of the owners and their depth, if that depth
-/// reaches `min_match_blocks` (DESIGN.md §5 step 2).
+/// reaches [`PolicyConfig::match_threshold`] (step 2 of the policy).
 pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(Vec<usize>, u32)> {
     let depth = view
         .workers
@@ -239,7 +317,7 @@ pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(
         .filter(|w| w.candidate)
         .map(|w| w.depth)
         .max()?;
-    if depth == 0 || depth < config.min_match_blocks {
+    if depth < config.match_threshold(view.keys.len()) {
         return None;
     }
     let owners = positions(view, |w| w.candidate && w.depth == depth);
@@ -249,7 +327,7 @@ pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(
 /// Whether some worker that is not a candidate (draining, excluded) holds a usable match: the
 /// `owner_unavailable` case of DESIGN.md §5 step 7.
 pub(crate) fn owners_unavailable(config: &PolicyConfig, view: &RouteView) -> bool {
-    let min = config.min_match_blocks.max(1);
+    let min = config.match_threshold(view.keys.len());
     view.workers.iter().any(|w| !w.candidate && w.depth >= min)
 }
 
@@ -295,6 +373,23 @@ pub(crate) fn best_by(
         .iter()
         .min_by(|&&a, &&b| order(&view.workers[a], &view.workers[b]))
         .expect("best_by needs a non-empty pool")
+}
+
+/// The members of `pool` with the deepest lower-tier match, if any has one; otherwise `pool`.
+/// Reloading a prefix from host memory or disk beats computing it again.
+pub(crate) fn deepest_lower_tier(view: &RouteView, pool: &[usize]) -> Vec<usize> {
+    let deepest = pool
+        .iter()
+        .map(|&i| view.workers[i].lower_tier_depth())
+        .max()
+        .unwrap_or(0);
+    if deepest == 0 {
+        return pool.to_vec();
+    }
+    pool.iter()
+        .copied()
+        .filter(|&i| view.workers[i].lower_tier_depth() == deepest)
+        .collect()
 }
 
 /// Size-aware power-of-two choices: two distinct random members of `pool`, the one with less

@@ -4,13 +4,14 @@
 //! prefix unless every such owner is under pressure.** Load anywhere else in the fleet never
 //! moves a request off a usable owner, and a prefix is only replicated (a new owner created)
 //! when all of its owners are pressured, at most once per `spill_cooldown` and never beyond
-//! `max_owners_per_prefix` known owners.
+//! `max_owners_per_prefix` known owners (unless `ceiling_overflow_pressure` is set and every
+//! known owner is above it).
 
 use rand::Rng;
 
 use super::{
-    best_by, by_pressure, by_reserved_work, longest_match, owners_unavailable, positions,
-    power_of_two, Choice, DecisionLabel, PolicyConfig, RouteView,
+    best_by, by_pressure, by_reserved_work, deepest_lower_tier, longest_match, owners_unavailable,
+    positions, power_of_two, Choice, DecisionLabel, PolicyConfig, RouteView,
 };
 
 pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Option<Choice> {
@@ -21,7 +22,8 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
     }
 
     // 2. Longest match: the owners are the candidates at the maximum depth, if that depth
-    //    reaches min_match_blocks. The prefix key P is the key at that depth.
+    //    reaches min_match_blocks and min_match_ratio of the prompt. The prefix key P is the key
+    //    at that depth.
     let Some((mut known_owners, depth)) = longest_match(config, view) else {
         // 7. No owner: a cold miss, or owners that exist but are all unavailable.
         return Some(no_owner(config, view, &candidates, rng));
@@ -43,10 +45,11 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
             }
         }
     }
-    let choice = |worker, label, spilled_prefix| Choice {
+    // matched_blocks is the chosen worker's own depth, so a spill never claims reuse.
+    let choice = |worker: usize, label, spilled_prefix| Choice {
         worker,
         label,
-        matched_blocks: depth,
+        matched_blocks: view.workers[worker].depth,
         known_owners: known_owners.clone(),
         spilled_prefix,
     };
@@ -75,9 +78,35 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
     }
     let least_pressured_owner = best_by(view, &known_owners, by_pressure);
 
+    // A safe home: a candidate that is not a known owner, with fresh telemetry at or below
+    // high_water; those with the deepest lower-tier match of the prefix come first.
+    let safe_homes = || {
+        let safe = positions(view, |w| {
+            w.candidate && w.pressure.is_some_and(|p| p <= config.high_water)
+        });
+        let safe: Vec<usize> = safe
+            .into_iter()
+            .filter(|i| !known_owners.contains(i))
+            .collect();
+        deepest_lower_tier(view, &safe)
+    };
+
     // 6. At the ceiling the router creates no new owner. (Authoritative owners beyond it are
-    //    never pruned: they are all still in `known_owners`.)
+    //    never pruned: they are all still in `known_owners`.) The one escape: every known owner
+    //    above ceiling_overflow_pressure, and no spill of P inside the cooldown.
     if known_owners.len() >= config.max_owners_per_prefix {
+        let overloaded = config.ceiling_overflow_pressure.is_some_and(|x| {
+            known_owners
+                .iter()
+                .all(|&i| view.workers[i].pressure.is_some_and(|p| p > x))
+        });
+        if overloaded && provisional.is_none() {
+            let homes = safe_homes();
+            if !homes.is_empty() {
+                let home = power_of_two(view, &homes, rng);
+                return Some(choice(home, DecisionLabel::OverloadSpill, Some(prefix)));
+            }
+        }
         return Some(choice(
             least_pressured_owner,
             DecisionLabel::CeilingHold,
@@ -95,13 +124,7 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
             None,
         ));
     }
-    let safe_homes = positions(view, |w| {
-        w.candidate && w.pressure.is_some_and(|p| p <= config.high_water)
-    });
-    let safe_homes: Vec<usize> = safe_homes
-        .into_iter()
-        .filter(|i| !known_owners.contains(i))
-        .collect();
+    let safe_homes = safe_homes();
     if safe_homes.is_empty() {
         return Some(choice(
             least_pressured_owner,
@@ -114,7 +137,8 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
 }
 
 /// Step 7: size-aware power-of-two choices over candidates, preferring those not above
-/// high_water; `owner_unavailable` when owners exist but none is a candidate.
+/// high_water, and among the safe ones (fresh telemetry at or below high_water) those with the
+/// deepest lower-tier match; `owner_unavailable` when owners exist but none is a candidate.
 pub(crate) fn no_owner(
     config: &PolicyConfig,
     view: &RouteView,
@@ -131,6 +155,25 @@ pub(crate) fn no_owner(
         })
         .collect();
     let pool = if cool.is_empty() { candidates } else { &cool };
+    let safe: Vec<usize> = pool
+        .iter()
+        .copied()
+        .filter(|&i| {
+            view.workers[i]
+                .pressure
+                .is_some_and(|p| p <= config.high_water)
+        })
+        .collect();
+    let reloaders = if safe.iter().any(|&i| view.workers[i].lower_tier_depth() > 0) {
+        deepest_lower_tier(view, &safe)
+    } else {
+        Vec::new()
+    };
+    let pool = if reloaders.is_empty() {
+        pool
+    } else {
+        &reloaders
+    };
     let worker = power_of_two(view, pool, rng);
     let label = if owners_unavailable(config, view) {
         DecisionLabel::OwnerUnavailable

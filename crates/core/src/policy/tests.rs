@@ -1,0 +1,364 @@
+//! The policy's rules on views built by hand: one rule per test.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::baselines::dynamo_cost_of;
+use super::*;
+
+/// A worker as the policy sees it: a candidate with fresh telemetry and nothing reserved.
+struct W {
+    id: WorkerId,
+    depth: u32,
+    pressure: Option<f64>,
+    reserved_work: u64,
+    host_depth: u32,
+    disk_depth: u32,
+    prefill_backlog_tokens: u64,
+}
+
+fn w(name: &str, depth: u32, pressure: f64) -> W {
+    W {
+        id: WorkerId::new(name).unwrap(),
+        depth,
+        pressure: Some(pressure),
+        reserved_work: 0,
+        host_depth: 0,
+        disk_depth: 0,
+        prefill_backlog_tokens: 0,
+    }
+}
+
+impl W {
+    fn host(mut self, blocks: u32) -> W {
+        self.host_depth = blocks;
+        self
+    }
+    fn disk(mut self, blocks: u32) -> W {
+        self.disk_depth = blocks;
+        self
+    }
+    fn reserved(mut self, work: u64, prefill: u64) -> W {
+        self.reserved_work = work;
+        self.prefill_backlog_tokens = prefill;
+        self
+    }
+}
+
+fn views(workers: &[W]) -> Vec<WorkerView<'_>> {
+    workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| WorkerView {
+            slot: i as Slot,
+            id: &w.id,
+            dp_rank: 0,
+            candidate: true,
+            depth: w.depth,
+            pressure: w.pressure,
+            waiting: 0,
+            reserved_work: w.reserved_work,
+            reserved_requests: 0,
+            host_depth: w.host_depth,
+            disk_depth: w.disk_depth,
+            prefill_backlog_tokens: w.prefill_backlog_tokens,
+        })
+        .collect()
+}
+
+const BLOCK: u32 = 16;
+
+fn keys(blocks: u64) -> Vec<u64> {
+    (1..=blocks).collect()
+}
+
+/// Decides on `workers` for a prompt of `prompt_blocks` full blocks, with `provisional` as the
+/// provisional owner of every prefix, and returns the choice with the chosen worker's name.
+fn decide_with(
+    config: &PolicyConfig,
+    workers: &[W],
+    prompt_blocks: u64,
+    provisional: Option<ProvisionalOwner>,
+    seed: u64,
+) -> (String, Choice) {
+    let ks = keys(prompt_blocks);
+    let vs = views(workers);
+    let lookup = move |_: u64| provisional;
+    let view = RouteView {
+        now_ms: 10_000,
+        keys: &ks,
+        prompt_tokens: prompt_blocks * BLOCK as u64,
+        block_size: BLOCK,
+        workers: &vs,
+        provisional: &lookup,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let choice = decide(config, &mut PolicyState::default(), &view, &mut rng).expect("a choice");
+    (workers[choice.worker].id.to_string(), choice)
+}
+
+fn decided(config: &PolicyConfig, workers: &[W], prompt_blocks: u64) -> (String, DecisionLabel) {
+    let (name, choice) = decide_with(config, workers, prompt_blocks, None, 0);
+    (name, choice.label)
+}
+
+#[test]
+fn a_shared_prefix_shorter_than_min_match_ratio_of_the_prompt_is_not_ownership() {
+    // One block of a 20-block prompt (a system prompt) is 5% of it.
+    let fleet = [w("owner", 1, 0.5), w("idle", 0, 0.0)];
+    let seed_rule = PolicyConfig {
+        min_match_ratio: 0.0,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(
+        decided(&seed_rule, &fleet, 20),
+        ("owner".into(), DecisionLabel::OwnerHold),
+        "ratio 0 is the seed's rule: any match owns"
+    );
+    let ratio = PolicyConfig {
+        min_match_ratio: 0.1,
+        ..PolicyConfig::default()
+    };
+    let (_, label) = decided(&ratio, &fleet, 20);
+    assert_eq!(
+        label,
+        DecisionLabel::ColdMiss,
+        "1 block < ceil(0.1 x 20) = 2: a cold miss"
+    );
+    let deeper = [w("owner", 2, 0.5), w("idle", 0, 0.0)];
+    assert_eq!(
+        decided(&ratio, &deeper, 20),
+        ("owner".into(), DecisionLabel::OwnerHold),
+        "2 blocks reach ceil(0.1 x 20) = 2: ownership"
+    );
+}
+
+#[test]
+fn the_match_threshold_is_the_larger_of_min_match_blocks_and_the_ratio_rounded_up() {
+    let config = PolicyConfig {
+        min_match_blocks: 3,
+        min_match_ratio: 0.25,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(config.match_threshold(4), 3, "min_match_blocks binds");
+    assert_eq!(config.match_threshold(20), 5, "0.25 x 20 = 5 exactly");
+    assert_eq!(
+        config.match_threshold(21),
+        6,
+        "0.25 x 21 = 5.25, rounded up"
+    );
+    let zero = PolicyConfig {
+        min_match_blocks: 0,
+        min_match_ratio: 0.0,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(zero.match_threshold(0), 1, "a match is at least one block");
+    let baseline = PolicyConfig {
+        kind: PolicyKind::LongestPrefix,
+        ..config
+    };
+    assert_eq!(
+        baseline.match_threshold(20),
+        3,
+        "baselines keep their own rule: min_match_blocks only"
+    );
+}
+
+#[test]
+fn a_cold_miss_prefers_the_safe_worker_with_the_deepest_lower_tier_match() {
+    let config = PolicyConfig::default();
+    for seed in 0..32 {
+        let fleet = [
+            w("a", 0, 0.1),
+            w("host", 0, 0.5).host(6),
+            w("disk", 0, 0.1).disk(4),
+            w("d", 0, 0.1),
+        ];
+        let (name, choice) = decide_with(&config, &fleet, 8, None, seed);
+        assert_eq!(
+            (name.as_str(), choice.label),
+            ("host", DecisionLabel::ColdMiss),
+            "seed {seed}: reloading 6 blocks from host memory beats cooler workers"
+        );
+        assert_eq!(choice.matched_blocks, 0, "nothing is on its device");
+    }
+}
+
+#[test]
+fn a_lower_tier_match_above_high_water_is_not_preferred() {
+    let config = PolicyConfig::default();
+    for seed in 0..32 {
+        let fleet = [w("hot", 0, 0.95).host(6), w("a", 0, 0.1), w("b", 0, 0.2)];
+        let (name, _) = decide_with(&config, &fleet, 8, None, seed);
+        assert_ne!(
+            name, "hot",
+            "seed {seed}: a worker above high water is not safe"
+        );
+    }
+}
+
+#[test]
+fn a_spill_prefers_the_safe_home_with_the_deepest_lower_tier_match() {
+    let config = PolicyConfig::default();
+    for seed in 0..32 {
+        let fleet = [
+            w("owner", 8, 0.95),
+            w("a", 0, 0.1),
+            w("host", 0, 0.6).host(3),
+            w("disk", 0, 0.1).disk(5),
+            w("b", 0, 0.1),
+        ];
+        let (name, choice) = decide_with(&config, &fleet, 8, None, seed);
+        assert_eq!(
+            (name.as_str(), choice.label),
+            ("disk", DecisionLabel::PressureSpill),
+            "seed {seed}: the deepest lower-tier match (5 on disk) among safe homes"
+        );
+        assert_eq!(
+            choice.matched_blocks, 0,
+            "a spill to a non-owner matched nothing on its device"
+        );
+    }
+}
+
+fn at_ceiling(overflow: Option<f64>) -> PolicyConfig {
+    PolicyConfig {
+        max_owners_per_prefix: 2,
+        ceiling_overflow_pressure: overflow,
+        ..PolicyConfig::default()
+    }
+}
+
+#[test]
+fn past_the_ceiling_a_spill_happens_only_when_every_owner_is_above_the_overflow_pressure() {
+    let overloaded = [w("o1", 8, 1.6), w("o2", 8, 1.9), w("home", 0, 0.1)];
+    assert_eq!(
+        decided(&at_ceiling(None), &overloaded, 8),
+        ("o1".into(), DecisionLabel::CeilingHold),
+        "without the setting the ceiling is a ceiling"
+    );
+    let (name, choice) = decide_with(&at_ceiling(Some(1.5)), &overloaded, 8, None, 0);
+    assert_eq!(
+        (name.as_str(), choice.label),
+        ("home", DecisionLabel::OverloadSpill),
+        "every owner above 1.5: one spill past the ceiling"
+    );
+    assert_eq!(
+        choice.spilled_prefix,
+        Some(8),
+        "it records a provisional owner"
+    );
+    let one_below = [w("o1", 8, 1.2), w("o2", 8, 1.9), w("home", 0, 0.1)];
+    assert_eq!(
+        decided(&at_ceiling(Some(1.5)), &one_below, 8).1,
+        DecisionLabel::CeilingHold,
+        "an owner at or below the overflow pressure keeps the ceiling"
+    );
+}
+
+#[test]
+fn an_overload_spill_happens_at_most_once_per_cooldown() {
+    let overloaded = [w("o1", 8, 1.6), w("o2", 8, 1.9), w("home", 0, 0.1)];
+    let recent = ProvisionalOwner {
+        slot: 2,
+        spilled_ms: 9_000,
+    };
+    let (name, choice) = decide_with(&at_ceiling(Some(1.5)), &overloaded, 8, Some(recent), 0);
+    assert_ne!(
+        choice.label,
+        DecisionLabel::OverloadSpill,
+        "a spill of the prefix 1 s ago (cooldown 5 s) coalesces"
+    );
+    assert_eq!(
+        name, "home",
+        "the provisional owner is now the least pressured owner"
+    );
+}
+
+#[test]
+fn folded_backlog_raises_pressure_only_for_pressure_first_and_never_invents_telemetry() {
+    let fold = PolicyConfig {
+        backlog_pressure_tokens: 10_000,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(fold.ranked_pressure(Some(0.2), 5_000), Some(0.7));
+    assert_eq!(
+        fold.ranked_pressure(None, 50_000),
+        None,
+        "telemetry gaps still fail open"
+    );
+    let off = PolicyConfig {
+        backlog_pressure_tokens: 0,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(off.ranked_pressure(Some(0.2), 5_000), Some(0.2));
+    let baseline = PolicyConfig {
+        kind: PolicyKind::P2c,
+        ..fold
+    };
+    assert_eq!(
+        baseline.ranked_pressure(Some(0.2), 5_000),
+        Some(0.2),
+        "baselines keep their own rule"
+    );
+}
+
+#[test]
+fn dynamo_cost_is_uncached_prefill_blocks_plus_decode_blocks_with_tiered_overlap_credit() {
+    let workers = [
+        // Prefill (0 + 160) / 16 = 10 blocks, overlap 4 + 0.75 x 4 + 0.25 x 4 = 8: 2; decode 0 +
+        // 10.
+        w("tiered", 4, 0.0).host(4).disk(4),
+        // Backlog 320 tokens = 20 more prefill blocks, 6 cached: 24; decode 480/16 = 30 + 10.
+        w("busy", 6, 0.0).reserved(480, 320),
+    ];
+    let ks = keys(10);
+    let vs = views(&workers);
+    let none = |_: u64| None;
+    let view = RouteView {
+        now_ms: 0,
+        keys: &ks,
+        prompt_tokens: 160,
+        block_size: BLOCK,
+        workers: &vs,
+        provisional: &none,
+    };
+    assert_eq!(dynamo_cost_of(&view, &vs[0]), 2.0 + 10.0);
+    assert_eq!(dynamo_cost_of(&view, &vs[1]), 24.0 + 40.0);
+    let config = PolicyConfig {
+        kind: PolicyKind::DynamoCost,
+        ..PolicyConfig::default()
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let choice = decide(&config, &mut PolicyState::default(), &view, &mut rng).unwrap();
+    assert_eq!(choice.worker, 0, "the lowest cost wins");
+}
+
+#[test]
+fn dynamo_cost_breaks_ties_with_the_seeded_rng() {
+    let config = PolicyConfig {
+        kind: PolicyKind::DynamoCost,
+        ..PolicyConfig::default()
+    };
+    let fleet = [w("a", 0, 0.0), w("b", 0, 0.0), w("c", 2, 0.0)];
+    let chosen: std::collections::BTreeSet<String> = (0..32)
+        .map(|seed| decide_with(&config, &fleet[..2], 8, None, seed).0)
+        .collect();
+    assert_eq!(
+        chosen.len(),
+        2,
+        "equal costs: either worker, by seed ({chosen:?})"
+    );
+    for seed in 0..8 {
+        assert_eq!(
+            decide_with(&config, &fleet, 8, None, seed).0,
+            "c",
+            "two cached blocks make c the cheapest"
+        );
+    }
+    assert_eq!(
+        decide_with(&config, &fleet[..2], 8, None, 5).0,
+        decide_with(&config, &fleet[..2], 8, None, 5).0,
+        "the same seed, the same pick"
+    );
+}
