@@ -17,6 +17,7 @@
 //! - [`sim`]: the simulator, driving the same core with simulated workers.
 //! - [`metrics`]: Prometheus metric names and recording.
 //! - [`config`]: command-line and file configuration.
+//! - [`nats_options`]: NATS url, credentials and TLS, shared by every command that connects.
 
 pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wire, workers};
 
@@ -26,5 +27,6 @@ pub mod http;
 pub mod ingest;
 pub mod journal;
 pub mod metrics;
+pub mod nats_options;
 pub mod replay;
 pub mod sim;

@@ -1,6 +1,7 @@
 //! The HTTP API (DESIGN.md §7). Handlers are thin: parse and validate, hash tokens into block
 //! keys (outside the writer's lock), apply the input through the single writer (on this task,
-//! see `daemon::writer`), shape the reply.
+//! see `daemon::writer`), shape the reply. [`server`] serves them (connection cap, timeouts,
+//! TLS) and [`auth`] checks bearer tokens.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -25,6 +26,8 @@ use crate::input::{Input, RejectReason, Rejection, RouteRequest, WorkerId};
 use crate::metrics::reject;
 use crate::router::Output;
 
+pub mod auth;
+pub mod server;
 mod token_list;
 
 /// Explicit handler state.
