@@ -44,6 +44,8 @@ pub struct Nats {
     child: Option<Child>,
     pub port: u16,
     dir: TempDir,
+    /// nats-server configuration text (authorization, TLS), if started with one.
+    config: Option<String>,
 }
 
 impl Nats {
@@ -52,9 +54,28 @@ impl Nats {
             child: None,
             port: free_port(),
             dir: TempDir::new().unwrap(),
+            config: None,
         };
         nats.restart();
         nats
+    }
+
+    /// A nats-server with JetStream on a free port and its own storage dir, with this
+    /// configuration text added (e.g. an `authorization` or `tls` block).
+    pub fn start_with_config(config: &str) -> Nats {
+        let mut nats = Nats {
+            child: None,
+            port: free_port(),
+            dir: TempDir::new().unwrap(),
+            config: Some(config.to_string()),
+        };
+        nats.restart();
+        nats
+    }
+
+    /// A scratch dir that lives as long as the server (for its certificates and keys).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 
     pub fn url(&self) -> String {
@@ -65,16 +86,22 @@ impl Nats {
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "nats-server already running");
         let log = std::fs::File::create(self.dir.path().join("nats.log")).unwrap();
-        let child = Command::new(nats_server_bin())
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(self.dir.path().join("js"))
+        let mut cmd = Command::new(nats_server_bin());
+        cmd.args([
+            "-a",
+            "127.0.0.1",
+            "-p",
+            &self.port.to_string(),
+            "-js",
+            "-sd",
+        ])
+        .arg(self.dir.path().join("js"));
+        if let Some(config) = &self.config {
+            let path = self.dir.path().join("nats.conf");
+            std::fs::write(&path, config).unwrap();
+            cmd.arg("-c").arg(path);
+        }
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -141,6 +168,11 @@ pub struct Daemon {
     log: PathBuf,
     _dir: Option<TempDir>,
     client: reqwest::Client,
+    /// `http` or `https` (see [`Daemon::use_https`]).
+    scheme: &'static str,
+    /// CA certificate trusted for HTTPS, and the bearer token every helper request carries.
+    ca_pem: Option<String>,
+    token: Option<String>,
 }
 
 /// Flags that keep tests fast: quick ticks and flushes.
@@ -169,7 +201,56 @@ impl Daemon {
             pass_http_addr: true,
             _dir: Some(dir),
             client: reqwest::Client::new(),
+            scheme: "http",
+            ca_pem: None,
+            token: None,
         }
+    }
+
+    /// Talks HTTPS to the daemon, trusting only the CA certificate `ca_pem`.
+    pub fn use_https(&mut self, ca_pem: &str) {
+        self.ca_pem = Some(ca_pem.to_string());
+        self.scheme = "https";
+        self.rebuild_client();
+    }
+
+    /// Sends `Authorization: Bearer <token>` with every helper request.
+    pub fn use_token(&mut self, token: &str) {
+        self.token = Some(token.to_string());
+        self.rebuild_client();
+    }
+
+    fn rebuild_client(&mut self) {
+        let mut builder = reqwest::Client::builder();
+        if let Some(ca) = &self.ca_pem {
+            builder = builder
+                .tls_built_in_root_certs(false)
+                .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap());
+        }
+        if let Some(token) = &self.token {
+            let mut headers = reqwest::header::HeaderMap::new();
+            headers.insert(
+                reqwest::header::AUTHORIZATION,
+                format!("Bearer {token}").parse().unwrap(),
+            );
+            builder = builder.default_headers(headers);
+        }
+        self.client = builder.build().unwrap();
+    }
+
+    /// Sends a signal (`HUP`, `TERM`, ...) to the running daemon.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("daemon running").id();
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+
+    /// The HTTP client the helpers use (HTTPS-aware after [`Daemon::use_https`]).
+    pub fn client(&self) -> &reqwest::Client {
+        &self.client
     }
 
     pub fn command(&self) -> Command {
@@ -248,7 +329,7 @@ impl Daemon {
     }
 
     pub fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.http)
+        format!("{}://{}{path}", self.scheme, self.http)
     }
 
     /// SIGKILL: no snapshot, no flush.
@@ -507,9 +588,16 @@ pub struct Worker {
 
 impl Worker {
     pub async fn connect(nats_url: &str, id: &str) -> Worker {
-        let client = async_nats::connect(nats_url)
-            .await
-            .expect("connect to nats");
+        Worker::connect_with(async_nats::ConnectOptions::new(), nats_url, id).await
+    }
+
+    /// Connects with these options (credentials, TLS) as worker `id`.
+    pub async fn connect_with(
+        options: async_nats::ConnectOptions,
+        nats_url: &str,
+        id: &str,
+    ) -> Worker {
+        let client = options.connect(nats_url).await.expect("connect to nats");
         Worker {
             id: id.into(),
             client,
