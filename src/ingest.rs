@@ -26,6 +26,27 @@ pub struct Status {
     pub core_subscribed: AtomicUsize,
     pub core_expected: AtomicUsize,
     pub nats_connected: AtomicBool,
+    /// Ingest reads from a JetStream consumer (not `--no-jetstream`).
+    pub jetstream: AtomicBool,
+    /// The stream and our durable consumer exist and are being read since the last (re)connect.
+    /// Cleared when the connection drops: a broker may come back without them (restarted
+    /// empty), and until they exist again events published meanwhile would not be captured.
+    pub consumer_live: AtomicBool,
+    /// Woken on every (re)connect, so that ingest checks the stream and consumer at once
+    /// rather than after the missed heartbeats of a consumer that is gone.
+    pub reconnected: tokio::sync::Notify,
+}
+
+impl Status {
+    /// To call on every NATS connection event of the daemon's client.
+    pub fn on_nats_connected(&self, connected: bool) {
+        self.nats_connected.store(connected, Ordering::Release);
+        if connected {
+            self.reconnected.notify_one();
+        } else {
+            self.consumer_live.store(false, Ordering::Release);
+        }
+    }
 }
 
 pub struct IngestSettings {
@@ -151,8 +172,20 @@ async fn run_core(
     }
 }
 
+/// Why a consumer loop starts over at once: the connection came back, and the broker may have
+/// come back without the stream or the consumer.
+struct Reconnected;
+
+impl std::fmt::Display for Reconnected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("reconnected")
+    }
+}
+
 /// JetStream consumer loop: creates the stream and durable consumer if missing, recreates the
-/// message stream with backoff whenever it breaks (broker restart, network).
+/// message stream with backoff whenever it breaks (broker restart, network), and at once after
+/// every reconnect (a broker restarted empty has neither; its heartbeats would only be missed
+/// seconds later, and events published meanwhile would be lost).
 async fn run_jetstream(
     client: async_nats::Client,
     settings: Arc<IngestSettings>,
@@ -210,7 +243,18 @@ async fn run_jetstream(
                 .await
                 .map_err(|e| format!("messages: {e}"))?;
             backoff = Duration::from_millis(100);
-            while let Some(msg) = messages.next().await {
+            status.consumer_live.store(true, Ordering::Release);
+            loop {
+                let msg = tokio::select! {
+                    msg = messages.next() => msg,
+                    () = status.reconnected.notified() => {
+                        if status.consumer_live.load(Ordering::Acquire) {
+                            continue; // the connect this consumer was set up after
+                        }
+                        return Err(Reconnected.to_string());
+                    }
+                };
+                let Some(msg) = msg else { break };
                 let msg = msg.map_err(|e| format!("message stream: {e}"))?;
                 if let Ok(info) = msg.info() {
                     let lag = (time::OffsetDateTime::now_utc() - info.published).as_seconds_f64();
@@ -243,6 +287,9 @@ async fn run_jetstream(
         .await;
         match result {
             Ok(()) => return,
+            Err(e) if e == Reconnected.to_string() => {
+                tracing::info!("NATS reconnected: checking the JetStream stream and consumer");
+            }
             Err(e) => {
                 tracing::warn!("JetStream ingest interrupted, retrying in {backoff:?}: {e}");
                 tokio::time::sleep(backoff).await;
@@ -262,6 +309,9 @@ pub async fn run(
     let settings = Arc::new(settings);
     let prefix = settings.subject_prefix.clone();
     let mut tasks = tokio::task::JoinSet::new();
+    status
+        .jetstream
+        .store(settings.jetstream, Ordering::Release);
     let expected = if settings.jetstream { 1 } else { 3 };
     status.core_expected.store(expected, Ordering::Release);
     tasks.spawn(run_core(

@@ -209,11 +209,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 }
                 match event {
                     async_nats::Event::Connected => {
-                        status.nats_connected.store(true, Ordering::Release);
+                        status.on_nats_connected(true);
                         tracing::info!("NATS connected");
                     }
                     async_nats::Event::Disconnected => {
-                        status.nats_connected.store(false, Ordering::Release);
+                        status.on_nats_connected(false);
                         ::metrics::counter!("kvrouted_nats_reconnects_total").increment(1);
                         tracing::warn!("NATS disconnected; reconnecting with backoff, routing on the last known state");
                     }

@@ -110,6 +110,13 @@ impl Nats {
         wait_for_port(self.port, "nats-server");
     }
 
+    /// Deletes the stopped server's JetStream storage: the next [`Nats::restart`] comes back
+    /// empty, without streams or consumers.
+    pub fn wipe_storage(&mut self) {
+        assert!(self.child.is_none(), "stop nats-server first");
+        let _ = std::fs::remove_dir_all(self.dir.path().join("js"));
+    }
+
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
