@@ -31,7 +31,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the daemon: ingest KV events and load from NATS, answer routes over HTTP.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Re-apply a journal through the core: audit (--verify) or counterfactual (policy flags).
     Replay(ReplayArgs),
     /// Journal tools.
@@ -117,7 +117,7 @@ fn main() -> ExitCode {
                 .enable_all()
                 .build()
                 .context("starting the async runtime")
-                .and_then(|rt| rt.block_on(kvrouted::daemon::serve(args)))
+                .and_then(|rt| rt.block_on(kvrouted::daemon::serve(*args)))
                 .map(|()| ExitCode::SUCCESS)
         }
         Command::Replay(args) => run_replay(&args),

@@ -610,3 +610,75 @@ async fn a_broker_refusing_the_daemons_credentials_is_an_error_in_its_log() {
         "the password is never logged"
     );
 }
+
+/// The JSON array after `prefix` on the line of `text` that runs `serve` (a Dockerfile `CMD` or
+/// a compose `command:`).
+fn json_array_after(text: &str, prefix: &str) -> Vec<String> {
+    let line = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.contains("\"serve\""))
+        .find_map(|l| l.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("no line starting with {prefix}"));
+    serde_json::from_str(line.trim()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_container_commands_start_under_the_loopback_rule_and_compose_publishes_on_loopback_only(
+) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let compose = std::fs::read_to_string(root.join("docker-compose.yml")).unwrap();
+    let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).unwrap();
+    let published: Vec<&str> = compose
+        .lines()
+        .map(str::trim)
+        .filter_map(|l| l.strip_prefix("- \""))
+        .filter(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+        .collect();
+    assert!(!published.is_empty(), "compose publishes ports");
+    for port in &published {
+        assert!(
+            port.starts_with("127.0.0.1:"),
+            "compose publishes {port} on the host's loopback only"
+        );
+    }
+
+    let nats = Nats::start();
+    for (what, command) in [
+        ("Dockerfile CMD", json_array_after(&dockerfile, "CMD ")),
+        ("compose command", json_array_after(&compose, "command: ")),
+    ] {
+        // The container's command, on a free port, with the test's broker and data dir.
+        let port = free_port();
+        let mut args = command.into_iter().skip_while(|a| a != "serve").skip(1);
+        let mut extra = Vec::new();
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--nats-url" | "--data-dir" => {
+                    args.next();
+                }
+                "--http-addr" => {
+                    let value = args.next().unwrap();
+                    assert!(value.starts_with("0.0.0.0:"), "{what}: {value}");
+                    extra.push(arg);
+                    extra.push(format!("0.0.0.0:{port}"));
+                }
+                _ => extra.push(arg),
+            }
+        }
+        assert!(
+            extra.iter().any(|a| a == "--http-addr"),
+            "{what}: {extra:?}"
+        );
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let mut daemon = Daemon::new(&nats.url(), &extra);
+        daemon.pass_http_addr = false;
+        daemon.http.set_port(port);
+        daemon.restart().await;
+        assert_eq!(
+            daemon.get("/healthz").await.0,
+            200,
+            "the {what} starts and serves"
+        );
+    }
+}
