@@ -364,6 +364,7 @@ async fn beyond_the_connection_cap_probes_still_answer_and_other_requests_get_50
         &["--max-connections", "3", "--http-idle-timeout", "60s"],
     )
     .await;
+    daemon.wait_ready().await;
     let fresh = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
         .build()
@@ -390,11 +391,15 @@ async fn beyond_the_connection_cap_probes_still_answer_and_other_requests_get_50
             .is_some_and(|e| e.contains("--max-connections")),
         "past the cap a request is shed with a one-line error: {status} {body}"
     );
+    // More idle sockets than the reserve past the cap holds: the newest connections still get in.
+    let flood: Vec<TcpStream> = (0..40)
+        .map(|_| TcpStream::connect(daemon.http).unwrap())
+        .collect();
     let (status, body) = get("/healthz").await;
     assert_eq!(
         (status, &body["status"]),
         (200, &json!("ok")),
-        "/healthz answers past the cap"
+        "/healthz answers past the cap, with the reserve flooded by idle sockets"
     );
     let (_, body) = get("/readyz").await;
     assert!(
@@ -403,6 +408,7 @@ async fn beyond_the_connection_cap_probes_still_answer_and_other_requests_get_50
     );
 
     drop(idle);
+    drop(flood);
     eventually(
         "requests are served again once connections close",
         || async { (get("/v1/workers").await.0 == 200).then_some(()) },
@@ -414,6 +420,13 @@ async fn beyond_the_connection_cap_probes_still_answer_and_other_requests_get_50
             .await
             >= 3.0,
         "connections past the cap are counted"
+    );
+    assert!(
+        daemon
+            .metric("kvrouted_http_connections_shed_total{outcome=\"evicted\"}")
+            .await
+            >= 1.0,
+        "idle reserve connections evicted for newer ones are counted"
     );
 }
 

@@ -7,13 +7,16 @@
 //!
 //! - At most `max_connections` connections are served. Past that, a small reserve of
 //!   connections is served `/healthz` and `/readyz` only (everything else a 503), one request
-//!   each with short timeouts; past the reserve a connection is closed at once. So probes keep
-//!   answering under a connection flood, and descriptors stay bounded.
+//!   each with short timeouts. When the reserve is full, a new connection takes the place of the
+//!   oldest reserve connection that has not sent a byte yet (a flood of idle sockets cannot hold
+//!   the reserve); if every one is mid-request, the new connection is reset at once. So probes
+//!   keep answering under a connection flood, and descriptors stay bounded.
 //! - A connection with no request in progress (new, or kept alive) that sends nothing for the
 //!   idle timeout is closed; once a request's first byte arrives its line and headers must be
 //!   complete within the header timeout (a TLS handshake too, from the connection's start).
 //! - A request body must arrive within the body timeout after its headers (408 otherwise).
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
@@ -91,7 +94,7 @@ fn register_metrics() {
         ::metrics::counter!("kvrouted_http_auth_failures_total", "reason" => failure.as_str())
             .absolute(0);
     }
-    for outcome in ["probes_only", "closed"] {
+    for outcome in ["probes_only", "evicted", "closed"] {
         ::metrics::counter!("kvrouted_http_connections_shed_total", "outcome" => outcome)
             .absolute(0);
     }
@@ -202,9 +205,8 @@ pub async fn serve(
         },
         app,
     };
-    let probe_lane = Lane {
-        slots: Arc::new(Semaphore::new(PROBE_RESERVE)),
-        capacity: PROBE_RESERVE,
+    let probe_lane = ProbeLane {
+        open: Mutex::new(VecDeque::with_capacity(PROBE_RESERVE + 1)),
         limits: Limits {
             header: settings.header_timeout.min(PROBE_LANE_TIMEOUT),
             idle: settings.idle_timeout.min(PROBE_LANE_TIMEOUT),
@@ -230,12 +232,13 @@ pub async fn serve(
                 }
             },
         };
-        let (lane, permit) = if let Ok(p) = main_lane.slots.clone().try_acquire_owned() {
-            (&main_lane, p)
-        } else if let Ok(p) = probe_lane.slots.clone().try_acquire_owned() {
+        let activity = Arc::new(Activity::new());
+        let (app, limits, permit) = if let Ok(p) = main_lane.slots.clone().try_acquire_owned() {
+            (main_lane.app.clone(), main_lane.limits, Some(p))
+        } else if probe_lane.admit(&activity) {
             ::metrics::counter!("kvrouted_http_connections_shed_total", "outcome" => "probes_only")
                 .increment(1);
-            (&probe_lane, p)
+            (probe_lane.app.clone(), probe_lane.limits, None)
         } else {
             ::metrics::counter!("kvrouted_http_connections_shed_total", "outcome" => "closed")
                 .increment(1);
@@ -244,30 +247,21 @@ pub async fn serve(
             drop(tcp);
             continue;
         };
-        let app = lane.app.clone();
-        let limits = lane.limits;
         let tls = settings.tls.clone();
         let stop = stop_rx.clone();
         let open = open.clone();
         open.increment(1.0);
         tokio::spawn(async move {
-            serve_connection(tcp, tls, app, limits, stop).await;
+            serve_connection(tcp, tls, app, limits, activity.clone(), stop).await;
+            activity.finished.store(true, Ordering::Release);
             open.decrement(1.0);
             drop(permit);
         });
     }
     drop(listener);
     let _ = stop_tx.send(true);
-    let drained = async {
-        let _ = main_lane
-            .slots
-            .acquire_many(main_lane.capacity as u32)
-            .await;
-        let _ = probe_lane
-            .slots
-            .acquire_many(probe_lane.capacity as u32)
-            .await;
-    };
+    // Probe-lane connections need no wait: one request each, with short timeouts.
+    let drained = main_lane.slots.acquire_many(main_lane.capacity as u32);
     if tokio::time::timeout(SHUTDOWN_GRACE, drained).await.is_err() {
         tracing::warn!(
             "HTTP connections still open {SHUTDOWN_GRACE:?} after shutdown; leaving them"
@@ -281,6 +275,34 @@ struct Lane {
     capacity: usize,
     limits: Limits,
     app: axum::Router,
+}
+
+/// The reserve past the connection cap: its open connections, oldest first.
+struct ProbeLane {
+    open: Mutex<VecDeque<Arc<Activity>>>,
+    limits: Limits,
+    app: axum::Router,
+}
+
+impl ProbeLane {
+    /// Admits a connection to the reserve, evicting the oldest one that has not sent a byte if
+    /// the reserve is full. `false` when every reserve connection is mid-request.
+    fn admit(&self, activity: &Arc<Activity>) -> bool {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.retain(|a| !a.finished.load(Ordering::Acquire));
+        if open.len() >= PROBE_RESERVE {
+            let Some(oldest_idle) = open.iter().position(|a| a.is_idle()) else {
+                return false;
+            };
+            if let Some(evicted) = open.remove(oldest_idle) {
+                evicted.evict.notify_one();
+                ::metrics::counter!("kvrouted_http_connections_shed_total", "outcome" => "evicted")
+                    .increment(1);
+            }
+        }
+        open.push_back(activity.clone());
+        true
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -318,27 +340,36 @@ async fn serve_connection(
     tls: Option<TlsAcceptor>,
     app: axum::Router,
     limits: Limits,
+    activity: Arc<Activity>,
     stop: watch::Receiver<bool>,
 ) {
     let _ = tcp.set_nodelay(true);
-    match tls {
-        None => serve_io(tcp, app, limits, stop).await,
-        Some(acceptor) => match tokio::time::timeout(limits.header, acceptor.accept(tcp)).await {
-            Ok(Ok(stream)) => serve_io(stream, app, limits, stop).await,
-            Ok(Err(e)) => {
-                ::metrics::counter!("kvrouted_http_tls_handshake_failures_total").increment(1);
-                tracing::debug!("TLS handshake failed: {e}");
-            }
-            Err(_) => count_timeout("tls_handshake"),
-        },
+    let Some(acceptor) = tls else {
+        return serve_io(tcp, app, limits, activity, stop).await;
+    };
+    let handshake = tokio::select! {
+        handshake = tokio::time::timeout(limits.header, acceptor.accept(tcp)) => handshake,
+        () = activity.evict.notified() => return,
+    };
+    match handshake {
+        Ok(Ok(stream)) => serve_io(stream, app, limits, activity, stop).await,
+        Ok(Err(e)) => {
+            ::metrics::counter!("kvrouted_http_tls_handshake_failures_total").increment(1);
+            tracing::debug!("TLS handshake failed: {e}");
+        }
+        Err(_) => count_timeout("tls_handshake"),
     }
 }
 
-async fn serve_io<T>(io: T, app: axum::Router, limits: Limits, mut stop: watch::Receiver<bool>)
-where
+async fn serve_io<T>(
+    io: T,
+    app: axum::Router,
+    limits: Limits,
+    activity: Arc<Activity>,
+    mut stop: watch::Receiver<bool>,
+) where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let activity = Arc::new(Activity::new());
     let io = TokioIo::new(Watched {
         inner: io,
         activity: activity.clone(),
@@ -372,6 +403,7 @@ where
                 count_timeout(phase.label());
                 return; // dropping the connection closes it
             }
+            () = activity.evict.notified() => return,
             changed = stop.changed(), if !stopping => {
                 stopping = true;
                 if changed.is_ok() {
@@ -409,6 +441,10 @@ impl Phase {
 struct Activity {
     phase: Mutex<Phase>,
     changed: Notify,
+    /// Closes the connection (a reserve connection making room for a newer one).
+    evict: Notify,
+    /// The connection is closed.
+    finished: AtomicBool,
 }
 
 impl Activity {
@@ -418,7 +454,17 @@ impl Activity {
                 since: Instant::now(),
             }),
             changed: Notify::new(),
+            evict: Notify::new(),
+            finished: AtomicBool::new(false),
         }
+    }
+
+    /// No request in progress and no byte of the next one.
+    fn is_idle(&self) -> bool {
+        matches!(
+            *self.phase.lock().unwrap_or_else(|e| e.into_inner()),
+            Phase::Idle { .. }
+        )
     }
 
     fn update(&self, f: impl FnOnce(Phase) -> Phase) {
