@@ -267,8 +267,9 @@ pub struct ApiClientArgs {
     /// process lists)
     #[arg(long, env = "KVROUTED_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
-    /// The daemon's token file: the first token with the needed scope is used
-    #[arg(long, env = "KVROUTED_API_TOKEN_FILE", conflicts_with = "api_token")]
+    /// The daemon's token file: the first token with the needed scope is used (--api-token,
+    /// when given, wins)
+    #[arg(long, env = "KVROUTED_API_TOKEN_FILE")]
     pub api_token_file: Option<PathBuf>,
 }
 
