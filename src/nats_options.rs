@@ -247,13 +247,31 @@ pub struct RefusalLog {
 /// How often a repeated refusal is logged again.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 
-/// Why the broker refused a connection attempt, if the event says so: a bounded label for the
-/// counter (`authorization`, `tls`) and a one-line explanation.
+/// Why the broker refused a connection attempt or an operation, if the event says so: a bounded
+/// label for the counter (`authorization`, `tls`, `permissions`) and a one-line explanation.
 pub fn refusal(event: &async_nats::Event) -> Option<(&'static str, String)> {
-    let async_nats::Event::ClientError(e) = event else {
-        return None;
+    let text = match event {
+        async_nats::Event::ClientError(e) => e.to_string(),
+        async_nats::Event::ServerError(async_nats::ServerError::AuthorizationViolation) => {
+            "authorization violation".to_string()
+        }
+        async_nats::Event::ServerError(e) => {
+            let text = e.to_string();
+            return text
+                .to_ascii_lowercase()
+                .contains("permissions violation")
+                .then(|| {
+                    (
+                        "permissions",
+                        format!(
+                            "the NATS server refused an operation of ours ({text}); check the \
+                         permissions of our user on the server"
+                        ),
+                    )
+                });
+        }
+        _ => return None,
     };
-    let text = e.to_string();
     let lower = text.to_ascii_lowercase();
     if lower.contains("authorization") || lower.contains("authentication") {
         Some((
@@ -383,5 +401,9 @@ mod tests {
         assert_eq!(reason, "authorization");
         assert!(message.contains("--nats-user"), "{message}");
         assert!(refusal(&async_nats::Event::Connected).is_none());
+        let denied = async_nats::Event::ServerError(async_nats::ServerError::Other(
+            "permissions violation for subscription to \"kv.>\"".into(),
+        ));
+        assert_eq!(refusal(&denied).map(|r| r.0), Some("permissions"));
     }
 }
