@@ -14,4 +14,7 @@ COPY --from=build /src/target/release/kvrouted /usr/local/bin/kvrouted
 VOLUME /data
 EXPOSE 8080
 ENTRYPOINT ["kvrouted"]
-CMD ["serve", "--http-addr", "0.0.0.0:8080", "--data-dir", "/data", "--nats-url", "nats://nats:4222"]
+# The container's own address must be non-loopback for a published port to reach it. Without an
+# API token file that needs --insecure-public: publish the port on the host's loopback only
+# (`-p 127.0.0.1:8080:8080`), or pass --api-token-file (and --tls-cert/--tls-key) instead.
+CMD ["serve", "--http-addr", "0.0.0.0:8080", "--insecure-public", "--data-dir", "/data", "--nats-url", "nats://nats:4222"]

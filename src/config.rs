@@ -13,6 +13,7 @@ use anyhow::{bail, Context};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args};
 
+use crate::nats_options::NatsArgs;
 use crate::policy::PolicyKind;
 use crate::router::RouterConfig;
 
@@ -292,6 +293,42 @@ pub enum LogFormat {
     Json,
 }
 
+/// HTTP API security and limits of `serve`.
+#[derive(Debug, Clone, Args)]
+pub struct HttpArgs {
+    /// File of API tokens, one `TOKEN SCOPE` per line (scopes: `route` for /v1/route and
+    /// /v1/release, `read` for /v1/workers and /metrics; `#` starts a comment). Every endpoint
+    /// but /healthz and /readyz then needs `Authorization: Bearer TOKEN`. Re-read on SIGHUP
+    #[arg(long, env = "KVROUTED_API_TOKEN_FILE")]
+    pub api_token_file: Option<PathBuf>,
+    /// PEM certificate chain: serve HTTPS (with --tls-key)
+    #[arg(long, env = "KVROUTED_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert
+    #[arg(long, env = "KVROUTED_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Allow a non-loopback --http-addr without --api-token-file (anyone who reaches the port
+    /// can route, release and read)
+    #[arg(long, env = "KVROUTED_INSECURE_PUBLIC")]
+    pub insecure_public: bool,
+    /// Open HTTP connections served at once; beyond it a connection only gets /healthz and
+    /// /readyz (others a 503) or, past a small reserve, is closed at once. Keep it well below
+    /// the process's file-descriptor limit
+    #[arg(long, env = "KVROUTED_MAX_CONNECTIONS", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// A request's line and headers must arrive within this, from their first byte (and a TLS
+    /// handshake within it from the connection's start); slower connections are closed
+    #[arg(long, env = "KVROUTED_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub http_header_timeout: Duration,
+    /// A request's body must arrive within this once its handler reads it (408 otherwise)
+    #[arg(long, env = "KVROUTED_HTTP_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub http_body_timeout: Duration,
+    /// A connection with no request in progress (new, or kept alive after a response) that
+    /// sends nothing for this long is closed
+    #[arg(long, env = "KVROUTED_HTTP_IDLE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub http_idle_timeout: Duration,
+}
+
 /// `kvrouted serve`: run the daemon.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -299,16 +336,15 @@ pub struct ServeArgs {
     /// flags and environment variables win over it
     #[arg(long, env = "KVROUTED_CONFIG")]
     pub config: Option<PathBuf>,
-    /// NATS server to ingest from
-    #[arg(
-        long,
-        env = "KVROUTED_NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
-    )]
-    pub nats_url: String,
-    /// Address of the HTTP API and /metrics
+    /// NATS server to ingest from, its credentials and TLS
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Address of the HTTP API and /metrics; without --api-token-file only a loopback address
+    /// is accepted unless --insecure-public is given
     #[arg(long, env = "KVROUTED_HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http_addr: SocketAddr,
+    #[command(flatten)]
+    pub http: HttpArgs,
     /// Where the journal and snapshots live (sled)
     #[arg(long, env = "KVROUTED_DATA_DIR", default_value = "./kvrouted-data")]
     pub data_dir: PathBuf,

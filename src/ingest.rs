@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
 use async_nats::HeaderMap;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 
 use crate::input::{Input, RejectReason, Rejection, WorkerId};
 use crate::prom::reject;
@@ -150,8 +150,21 @@ async fn run_core(
     }
 }
 
+/// Why a consumer loop starts over at once: the connection came back, and the broker may have
+/// come back without the stream or the consumer.
+struct Reconnected;
+
+impl std::fmt::Display for Reconnected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("reconnected")
+    }
+}
+
 /// JetStream consumer loop: creates the stream and durable consumer if missing, recreates the
-/// message stream with backoff whenever it breaks (broker restart, network).
+/// message stream with backoff whenever it breaks (broker restart, network). After every
+/// reconnect it checks at once that the stream and consumer still exist, and recreates them if
+/// the broker came back without them (restarted empty): waiting for the missed heartbeats would
+/// take seconds, and events published meanwhile would be lost.
 async fn run_jetstream(
     client: async_nats::Client,
     settings: Arc<IngestSettings>,
@@ -209,8 +222,35 @@ async fn run_jetstream(
                 .await
                 .map_err(|e| format!("messages: {e}"))?;
             backoff = Duration::from_millis(100);
-            while let Some(msg) = messages.next().await {
-                let msg = msg.map_err(|e| format!("message stream: {e}"))?;
+            status.consumer_live.store(true, Ordering::Release);
+            // Set when the broker came back without the stream or the consumer: what is still
+            // buffered here was delivered before and is handed over, then both are recreated.
+            let mut draining = false;
+            loop {
+                let msg = if draining {
+                    match messages.next().now_or_never() {
+                        Some(Some(Ok(msg))) => msg,
+                        _ => return Err(Reconnected.to_string()),
+                    }
+                } else {
+                    let msg = tokio::select! {
+                        msg = messages.next() => msg,
+                        () = status.reconnected.notified() => {
+                            if status.consumer_live.load(Ordering::Acquire) {
+                                continue; // the connect this consumer was set up after
+                            }
+                            if consumer_exists(&js, &settings).await {
+                                // The broker kept its state: this message stream carries on.
+                                status.consumer_live.store(true, Ordering::Release);
+                            } else {
+                                draining = true;
+                            }
+                            continue;
+                        }
+                    };
+                    let Some(msg) = msg else { break };
+                    msg.map_err(|e| format!("message stream: {e}"))?
+                };
                 if let Ok(info) = msg.info() {
                     let lag = (time::OffsetDateTime::now_utc() - info.published).as_seconds_f64();
                     metrics::gauge!("kvrouted_ingest_lag_seconds").set(lag.max(0.0));
@@ -246,6 +286,9 @@ async fn run_jetstream(
         .await;
         match result {
             Ok(()) => return,
+            Err(e) if e == Reconnected.to_string() => {
+                tracing::info!("NATS reconnected: checking the JetStream stream and consumer");
+            }
             Err(e) => {
                 tracing::warn!("JetStream ingest interrupted, retrying in {backoff:?}: {e}");
                 tokio::time::sleep(backoff).await;
@@ -264,6 +307,20 @@ impl Acknowledge for JetStreamAck {
     }
 }
 
+/// Whether the broker has our stream and durable consumer (after a reconnect: a broker
+/// restarted without its storage has neither). An unanswered check counts as missing: they are
+/// then created if missing, or the message stream is set up again.
+async fn consumer_exists(js: &jetstream::Context, settings: &IngestSettings) -> bool {
+    let check = async {
+        let stream = js.get_stream(&settings.stream).await.ok()?;
+        stream.consumer_info(&settings.consumer).await.ok()
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), check).await,
+        Ok(Some(_))
+    )
+}
+
 /// Runs every ingest loop until the writer goes away.
 pub async fn run(
     client: async_nats::Client,
@@ -274,6 +331,9 @@ pub async fn run(
     let settings = Arc::new(settings);
     let prefix = settings.subject_prefix.clone();
     let mut tasks = tokio::task::JoinSet::new();
+    status
+        .jetstream
+        .store(settings.jetstream, Ordering::Release);
     let expected = if settings.jetstream { 1 } else { 3 };
     status.core_expected.store(expected, Ordering::Release);
     tasks.spawn(run_core(

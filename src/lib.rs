@@ -20,6 +20,7 @@
 //! - [`sim`]: the simulator, driving the same core with simulated workers.
 //! - [`prom`]: Prometheus metric names and recording, the rate-limited rejection log.
 //! - [`config`]: command-line and file configuration.
+//! - [`nats_options`]: NATS url, credentials and TLS, shared by every command that connects.
 
 pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wire, workers};
 
@@ -28,6 +29,7 @@ pub mod daemon;
 pub mod http;
 pub mod ingest;
 pub mod journal;
+pub mod nats_options;
 pub mod prom;
 pub mod replay;
 pub mod sim;

@@ -28,7 +28,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the daemon: ingest KV events and load from NATS, answer routes over HTTP.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Re-apply a journal through the core: audit (--verify) or counterfactual (policy flags).
     Replay(kvrouted::replay::ReplayArgs),
     /// Journal tools.
@@ -100,7 +100,7 @@ fn main() -> ExitCode {
                 .enable_all()
                 .build()
                 .context("starting the async runtime")
-                .and_then(|rt| rt.block_on(kvrouted::daemon::serve(args)))
+                .and_then(|rt| rt.block_on(kvrouted::daemon::serve(*args)))
                 .map(|()| ExitCode::SUCCESS)
         }
         Command::Replay(args) => kvrouted::replay::run(&args),

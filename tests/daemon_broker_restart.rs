@@ -83,3 +83,41 @@ async fn a_daemon_whose_broker_is_down_still_stops_on_sigterm() {
         "SIGTERM stops the daemon cleanly even while NATS is down (exit: {status:?})"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restarted_empty_gets_its_stream_back_before_readiness_and_loses_no_event() {
+    let mut nats = Nats::start();
+    let daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
+    let mut owner = Worker::connect(&nats.url(), "owner").await;
+    owner.store(&prompt(1, 4)).await;
+    daemon.wait_blocks("owner", 4).await;
+
+    nats.stop();
+    daemon.wait_readyz("degraded").await;
+    nats.wipe_storage();
+    nats.restart();
+    // Ready again only once the stream and the consumer exist on the empty broker.
+    daemon.wait_ready().await;
+    let js = async_nats::jetstream::new(owner.client().clone());
+    owner.wait_connected().await;
+    let stream = js
+        .get_stream("KVROUTED")
+        .await
+        .expect("the stream exists again when /readyz says ready");
+    stream
+        .consumer_info("kvrouted")
+        .await
+        .expect("the durable consumer exists again when /readyz says ready");
+
+    // Published right after: captured by the stream (the publish is acked) and applied.
+    let after = prompt(2, 3);
+    owner.store(&after).await;
+    daemon.wait_blocks("owner", 7).await;
+    let (status, body) = daemon.route(&after, json!({})).await;
+    assert_eq!(
+        (status, &body["worker"], &body["matched_blocks"]),
+        (200, &json!("owner"), &json!(3)),
+        "an event published right after the broker came back empty is applied: {body}"
+    );
+}

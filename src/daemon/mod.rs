@@ -8,10 +8,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use crate::config::ServeArgs;
+use crate::http::auth::ApiTokens;
+use crate::http::server::ServerSettings;
 use crate::http::{self, AppState};
 use crate::ingest::{self, IngestSettings};
 use crate::input::Input;
 use crate::journal::Journal;
+use crate::nats_options::RefusalLog;
 use crate::prom;
 use crate::replay::replay;
 use crate::router::{Router, RouterConfig};
@@ -101,10 +104,74 @@ fn recovering_app(prometheus: PrometheusHandle) -> axum::Router {
         }))
 }
 
+/// Checks the HTTP security settings and loads the token file and TLS certificate: any
+/// problem is a one-line error before anything starts.
+fn http_server_settings(args: &ServeArgs) -> anyhow::Result<ServerSettings> {
+    let http = &args.http;
+    if http.api_token_file.is_none() && !http.insecure_public && !args.http_addr.ip().is_loopback()
+    {
+        anyhow::bail!(
+            "--http-addr {} is not a loopback address and no --api-token-file is given: \
+             anyone reaching it could route, release and read; give --api-token-file (and \
+             --tls-cert/--tls-key), or --insecure-public to serve it without authentication",
+            args.http_addr
+        );
+    }
+    let tokens = http
+        .api_token_file
+        .as_deref()
+        .map(ApiTokens::load)
+        .transpose()?
+        .map(Arc::new);
+    let tls = match (&http.tls_cert, &http.tls_key) {
+        (Some(cert), Some(key)) => Some(http::server::load_tls(cert, key)?),
+        _ => None,
+    };
+    Ok(ServerSettings {
+        max_connections: http.max_connections as usize,
+        header_timeout: http.http_header_timeout,
+        body_timeout: http.http_body_timeout,
+        idle_timeout: http.http_idle_timeout,
+        tls,
+        tokens,
+    })
+}
+
+/// Re-reads the API token file on every SIGHUP; a file that does not parse keeps the tokens in
+/// force. Installed without a token file too, so that SIGHUP never kills the daemon.
+fn reload_tokens_on_sighup(tokens: Option<Arc<ApiTokens>>) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hangups = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            let Some(tokens) = &tokens else {
+                tracing::info!("SIGHUP: no --api-token-file to reload");
+                continue;
+            };
+            match tokens.reload() {
+                Ok(n) => {
+                    metrics::counter!("kvrouted_api_token_reloads_total", "outcome" => "ok")
+                        .increment(1);
+                    tracing::info!(tokens = n, "SIGHUP: API tokens reloaded");
+                }
+                Err(e) => {
+                    metrics::counter!("kvrouted_api_token_reloads_total", "outcome" => "error")
+                        .increment(1);
+                    tracing::error!("SIGHUP: {e:#}; keeping the previous tokens");
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let server_settings = http_server_settings(&args)?;
+    let nats_options = args.nats.connect_options()?;
     let prometheus = prom::install()?;
     let status = Arc::new(Status::default());
     let config = args.router_config();
+    reload_tokens_on_sighup(server_settings.tokens.clone())?;
 
     // The HTTP port first, so that probes see the process up and not ready while a large state
     // is recovered; the real API takes the same socket afterwards.
@@ -115,42 +182,45 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let recovering_server = {
         let listener = tokio::net::TcpListener::from_std(socket.try_clone()?)?;
         let app = recovering_app(prometheus.clone());
+        let settings = server_settings.clone();
         tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = recovered_rx.await;
-                })
-                .await;
+            let _ = http::server::serve(listener, app, settings, async {
+                let _ = recovered_rx.await;
+            })
+            .await;
         })
     };
 
     // NATS: connect in the background (meanwhile recovery runs) and keep retrying; routes are
     // served while it is down.
     let events_status = status.clone();
-    let client = async_nats::ConnectOptions::new()
+    let refusals = Arc::new(RefusalLog::default());
+    let client = nats_options
         .name("kvrouted")
         .retry_on_initial_connect()
         .max_reconnects(None)
         .event_callback(move |event| {
             let status = events_status.clone();
+            let refusals = refusals.clone();
             async move {
+                if refusals.record(&event) {
+                    return;
+                }
                 match event {
                     async_nats::Event::Connected => {
-                        status.nats_connected.store(true, Ordering::Release);
+                        status.on_nats_connected(true);
                         tracing::info!("NATS connected");
                     }
                     async_nats::Event::Disconnected => {
-                        status.nats_connected.store(false, Ordering::Release);
+                        status.on_nats_connected(false);
                         metrics::counter!("kvrouted_nats_reconnects_total").increment(1);
                         tracing::warn!("NATS disconnected; reconnecting with backoff, routing on the last known state");
                     }
                     other => tracing::info!("NATS: {other}"),
                 }
             }
-        })
-        .connect(&args.nats_url)
-        .await
-        .with_context(|| format!("invalid NATS url {}", args.nats_url))?;
+        });
+    let client = args.nats.connect(client).await?;
     let recovered = {
         let args = args.clone();
         let config = config.clone();
@@ -230,7 +300,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
 
     let listener = tokio::net::TcpListener::from_std(socket)?;
-    tracing::info!(http = %listener.local_addr()?, nats = args.nats_url, "kvrouted serving");
+    tracing::info!(
+        http = %listener.local_addr()?,
+        tls = server_settings.tls.is_some(),
+        auth = server_settings.tokens.is_some(),
+        nats = args.nats.redacted_url(),
+        "kvrouted serving"
+    );
     let app = http::app(
         AppState {
             writer: writer.clone(),
@@ -240,9 +316,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         args.max_body_bytes,
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    http::server::serve(listener, app, server_settings, shutdown_signal()).await?;
 
     tracing::info!("shutting down: writing a final snapshot");
     writer.shutdown().await;

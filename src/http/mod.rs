@@ -1,7 +1,8 @@
 //! The HTTP API (DESIGN.md §7). Handlers are thin: parse and validate, hash tokens into block
 //! keys (outside the writer's lock), call the writer's typed API (applied on this task, see
 //! [`crate::writer`]), shape the reply. Every failure is one [`ApiError`]: a status and a
-//! one-line `error` JSON body.
+//! one-line `error` JSON body. [`server`] serves them
+//! (connection cap, timeouts, TLS) and [`auth`] checks bearer tokens.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -26,6 +27,8 @@ use crate::reservations::ReleasePhase;
 use crate::status::Status;
 use crate::writer::{RouteError, WriterGone, WriterHandle};
 
+pub mod auth;
+pub mod server;
 mod token_list;
 
 /// Explicit handler state.
@@ -333,7 +336,12 @@ async fn readyz(State(state): State<AppState>) -> Response {
     let subscribed = s.core_subscribed.load(Ordering::Acquire);
     let subscriptions_live =
         subscribed > 0 && subscribed >= s.core_expected.load(Ordering::Acquire);
-    if !s.caught_up.load(Ordering::Acquire) || !subscriptions_live {
+    // Connected again but the stream and consumer are not back yet (a broker restarted empty):
+    // events published now would not be captured, so not ready.
+    let consumer_missing = s.jetstream.load(Ordering::Acquire)
+        && !s.consumer_live.load(Ordering::Acquire)
+        && s.nats_connected.load(Ordering::Acquire);
+    if !s.caught_up.load(Ordering::Acquire) || !subscriptions_live || consumer_missing {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "catching_up"})),

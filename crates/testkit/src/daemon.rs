@@ -78,6 +78,11 @@ pub struct Daemon {
     log: PathBuf,
     _dir: Option<TempDir>,
     client: reqwest::Client,
+    /// `http` or `https` (see [`Daemon::use_https`]).
+    scheme: &'static str,
+    /// CA certificate trusted for HTTPS, and the bearer token every helper request carries.
+    ca_pem: Option<String>,
+    token: Option<String>,
 }
 
 /// Flags that keep tests fast: quick ticks and flushes.
@@ -106,7 +111,56 @@ impl Daemon {
             pass_http_addr: true,
             _dir: Some(dir),
             client: reqwest::Client::new(),
+            scheme: "http",
+            ca_pem: None,
+            token: None,
         }
+    }
+
+    /// Talks HTTPS to the daemon, trusting only the CA certificate `ca_pem`.
+    pub fn use_https(&mut self, ca_pem: &str) {
+        self.ca_pem = Some(ca_pem.to_string());
+        self.scheme = "https";
+        self.rebuild_client();
+    }
+
+    /// Sends `Authorization: Bearer <token>` with every helper request.
+    pub fn use_token(&mut self, token: &str) {
+        self.token = Some(token.to_string());
+        self.rebuild_client();
+    }
+
+    fn rebuild_client(&mut self) {
+        let mut builder = reqwest::Client::builder();
+        if let Some(ca) = &self.ca_pem {
+            builder = builder
+                .tls_built_in_root_certs(false)
+                .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap());
+        }
+        if let Some(token) = &self.token {
+            let mut headers = reqwest::header::HeaderMap::new();
+            headers.insert(
+                reqwest::header::AUTHORIZATION,
+                format!("Bearer {token}").parse().unwrap(),
+            );
+            builder = builder.default_headers(headers);
+        }
+        self.client = builder.build().unwrap();
+    }
+
+    /// Sends a signal (`HUP`, `TERM`, ...) to the running daemon.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("daemon running").id();
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+
+    /// The HTTP client the helpers use (HTTPS-aware after [`Daemon::use_https`]).
+    pub fn client(&self) -> &reqwest::Client {
+        &self.client
     }
 
     pub fn command(&self) -> Command {
@@ -185,7 +239,7 @@ impl Daemon {
     }
 
     pub fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.http)
+        format!("{}://{}{path}", self.scheme, self.http)
     }
 
     /// SIGKILL: no snapshot, no flush.

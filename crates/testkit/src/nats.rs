@@ -1,6 +1,7 @@
 //! A nats-server process with JetStream on a free loopback port and its own storage dir,
 //! killed on drop.
 
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
 use tempfile::TempDir;
@@ -12,6 +13,8 @@ pub struct Nats {
     child: Option<Child>,
     pub port: u16,
     dir: TempDir,
+    /// nats-server configuration text (authorization, TLS), if started with one.
+    config: Option<String>,
 }
 
 impl Nats {
@@ -20,9 +23,28 @@ impl Nats {
             child: None,
             port: free_port(),
             dir: TempDir::new().unwrap(),
+            config: None,
         };
         nats.restart();
         nats
+    }
+
+    /// A nats-server with JetStream on a free port and its own storage dir, with this
+    /// configuration text added (e.g. an `authorization` or `tls` block).
+    pub fn start_with_config(config: &str) -> Nats {
+        let mut nats = Nats {
+            child: None,
+            port: free_port(),
+            dir: TempDir::new().unwrap(),
+            config: Some(config.to_string()),
+        };
+        nats.restart();
+        nats
+    }
+
+    /// A scratch dir that lives as long as the server (for its certificates and keys).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 
     pub fn url(&self) -> String {
@@ -33,22 +55,35 @@ impl Nats {
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "nats-server already running");
         let log = std::fs::File::create(self.dir.path().join("nats.log")).unwrap();
-        let child = Command::new(nats_server_bin())
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(self.dir.path().join("js"))
+        let mut cmd = Command::new(nats_server_bin());
+        cmd.args([
+            "-a",
+            "127.0.0.1",
+            "-p",
+            &self.port.to_string(),
+            "-js",
+            "-sd",
+        ])
+        .arg(self.dir.path().join("js"));
+        if let Some(config) = &self.config {
+            let path = self.dir.path().join("nats.conf");
+            std::fs::write(&path, config).unwrap();
+            cmd.arg("-c").arg(path);
+        }
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("start nats-server");
         self.child = Some(child);
         wait_for_port(self.port, "nats-server");
+    }
+
+    /// Deletes the stopped server's JetStream storage: the next [`Nats::restart`] comes back
+    /// empty, without streams or consumers.
+    pub fn wipe_storage(&mut self) {
+        assert!(self.child.is_none(), "stop nats-server first");
+        let _ = std::fs::remove_dir_all(self.dir.path().join("js"));
     }
 
     pub fn stop(&mut self) {

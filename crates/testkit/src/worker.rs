@@ -26,9 +26,16 @@ pub struct Worker {
 
 impl Worker {
     pub async fn connect(nats_url: &str, id: &str) -> Worker {
-        let client = async_nats::connect(nats_url)
-            .await
-            .expect("connect to nats");
+        Worker::connect_with(async_nats::ConnectOptions::new(), nats_url, id).await
+    }
+
+    /// Connects with these options (credentials, TLS) as worker `id`.
+    pub async fn connect_with(
+        options: async_nats::ConnectOptions,
+        nats_url: &str,
+        id: &str,
+    ) -> Worker {
+        let client = options.connect(nats_url).await.expect("connect to nats");
         Worker {
             id: id.into(),
             client,
