@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod daemon;
+pub mod demo;
 pub mod hashing;
 pub mod http;
 pub mod index;

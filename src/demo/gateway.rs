@@ -1,0 +1,158 @@
+//! The demo's gateways: HTTP to the daemon, as an inference gateway talks to it.
+//!
+//! Every request goes through one [`Gateway`], built in one place ([`Gateway::new`]), so
+//! credentials (a bearer token, TLS roots) are added there once the API takes them.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+/// What `POST /v1/route` is sent.
+#[derive(Debug, Clone, Serialize)]
+pub struct RouteBody<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<&'a str>,
+    pub tokens: &'a [u32],
+    pub max_output_tokens: u64,
+    pub request_id: String,
+}
+
+/// The part of a route reply the demo uses.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RouteReply {
+    pub worker: String,
+    pub decision: String,
+    pub matched_blocks: u32,
+    pub reservation: u64,
+}
+
+/// One row of `GET /v1/workers`, the fields the demo checks.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ListedWorker {
+    pub id: String,
+    pub blocks: u64,
+}
+
+#[derive(Deserialize)]
+struct WorkerList {
+    workers: Vec<ListedWorker>,
+}
+
+#[derive(Deserialize)]
+struct Readiness {
+    status: String,
+}
+
+/// An HTTP client of one daemon.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    client: reqwest::Client,
+    base: String,
+}
+
+impl Gateway {
+    /// A client of the daemon at `base_url` (`http://HOST:PORT`).
+    pub fn new(base_url: &str) -> anyhow::Result<Gateway> {
+        let base = base_url.trim_end_matches('/').to_string();
+        anyhow::ensure!(
+            base.starts_with("http://"),
+            "--daemon {base_url}: expected an http:// URL, e.g. http://127.0.0.1:8080"
+        );
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(10))
+            .build()
+            .context("building the HTTP client")?;
+        Ok(Gateway { client, base })
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// `GET /readyz`: the daemon's readiness status (`ready`, `degraded`, `recovering`, ...).
+    pub async fn readiness(&self) -> anyhow::Result<String> {
+        let reply = self
+            .client
+            .get(self.url("/readyz"))
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the kvrouted daemon at {}", self.base))?;
+        let body: Readiness = reply
+            .json()
+            .await
+            .with_context(|| format!("{}/readyz did not answer like kvrouted", self.base))?;
+        Ok(body.status)
+    }
+
+    /// `POST /v1/route`; an error is one line naming the status and the daemon's message.
+    pub async fn route(&self, body: &RouteBody<'_>) -> Result<RouteReply, String> {
+        let reply = self
+            .client
+            .post(self.url("/v1/route"))
+            .json(body)
+            .send()
+            .await
+            .map_err(|e| format!("POST /v1/route: {e}"))?;
+        let status = reply.status();
+        if !status.is_success() {
+            let text = reply.text().await.unwrap_or_default();
+            return Err(format!("POST /v1/route: {status}: {}", text.trim()));
+        }
+        reply
+            .json()
+            .await
+            .map_err(|e| format!("POST /v1/route: unreadable reply: {e}"))
+    }
+
+    /// `POST /v1/release` of a whole reservation.
+    pub async fn release(&self, reservation: u64) -> Result<(), String> {
+        let reply = self
+            .client
+            .post(self.url("/v1/release"))
+            .json(&serde_json::json!({ "reservation": reservation }))
+            .send()
+            .await
+            .map_err(|e| format!("POST /v1/release: {e}"))?;
+        let status = reply.status();
+        if status.is_success() {
+            Ok(())
+        } else {
+            let text = reply.text().await.unwrap_or_default();
+            Err(format!("POST /v1/release: {status}: {}", text.trim()))
+        }
+    }
+
+    /// `GET /v1/workers`.
+    pub async fn workers(&self) -> anyhow::Result<Vec<ListedWorker>> {
+        let list: WorkerList = self
+            .client
+            .get(self.url("/v1/workers"))
+            .send()
+            .await
+            .and_then(|r| r.error_for_status())
+            .with_context(|| format!("GET {}/v1/workers", self.base))?
+            .json()
+            .await
+            .with_context(|| format!("GET {}/v1/workers: unreadable reply", self.base))?;
+        Ok(list.workers)
+    }
+
+    /// `GET /metrics` as Prometheus text.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        self.client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .and_then(|r| r.error_for_status())
+            .with_context(|| format!("GET {}/metrics", self.base))?
+            .text()
+            .await
+            .with_context(|| format!("GET {}/metrics: unreadable reply", self.base))
+    }
+}
