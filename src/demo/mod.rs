@@ -85,8 +85,8 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
-    /// KV cache capacity of each worker, in blocks.
-    #[arg(long, default_value_t = 2048)]
+    /// KV cache capacity of each worker, in blocks (small, so eviction shows within seconds).
+    #[arg(long, default_value_t = 1024)]
     pub capacity_blocks: u64,
     /// Batch limit of each worker.
     #[arg(long, default_value_t = 16)]

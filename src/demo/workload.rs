@@ -186,14 +186,17 @@ mod tests {
     }
 
     #[test]
-    fn the_generated_workload_starts_its_first_system_prompt_at_token_zero() {
+    fn the_default_workload_sends_its_first_system_prompt_from_token_zero_within_seconds() {
         let w = Workload::build(None, 512, 16, None, 0).unwrap();
         let prompt = demo_agentic_params().system_prompt_tokens as u32;
-        let first_system = (0..w.trace.requests.len())
-            .map(|i| w.tokens(i))
-            .find(|t| t[0] == 0)
+        let first = (0..w.trace.requests.len())
+            .find(|&i| w.tokens(i)[0] == 0)
             .expect("some session uses the first system prompt");
         let expected: Vec<u32> = (0..prompt).collect();
-        assert_eq!(&first_system[..prompt as usize], &expected[..]);
+        assert_eq!(&w.tokens(first)[..prompt as usize], &expected[..]);
+        assert!(
+            w.trace.requests[first].arrival_us < 5_000_000,
+            "the README's prefix (tokens 0..63) is routed within the first seconds"
+        );
     }
 }
