@@ -2,7 +2,8 @@
 //!
 //! Pure comparisons of what the demo published and routed with the daemon's `/metrics`
 //! counters (read before and after the run, so other traffic on a shared daemon only adds) and
-//! its `/v1/workers` rows (the demo's workers are its own: their blocks must match exactly).
+//! its `/v1/workers` rows (the demo's workers are its own: their blocks must match exactly,
+//! and their load samples must have made their pressure known).
 
 use super::gateway::ListedWorker;
 
@@ -95,11 +96,19 @@ pub fn disagreements(
     for (id, blocks) in &expected.workers {
         match listed.iter().find(|w| &w.id == id) {
             None => problems.push(format!("/v1/workers does not list worker {id}")),
-            Some(w) if w.blocks != *blocks => problems.push(format!(
-                "/v1/workers says {id} holds {} blocks, its cache holds {blocks}",
-                w.blocks
-            )),
-            Some(_) => {}
+            Some(w) => {
+                if w.blocks != *blocks {
+                    problems.push(format!(
+                        "/v1/workers says {id} holds {} blocks, its cache holds {blocks}",
+                        w.blocks
+                    ));
+                }
+                if w.pressure.is_none() {
+                    problems.push(format!(
+                        "/v1/workers has no fresh load sample of {id} (its pressure is null)"
+                    ));
+                }
+            }
         }
     }
     problems
@@ -124,6 +133,7 @@ kvrouted_index_blocks 100
             .map(|(id, blocks)| ListedWorker {
                 id: id.to_string(),
                 blocks: *blocks,
+                pressure: Some(0.5),
             })
             .collect()
     }
@@ -181,6 +191,20 @@ kvrouted_index_blocks 100
         assert!(problems[0].contains("stored blocks 100, the daemon counted 50"));
         assert!(problems[1].contains("demo-w0 holds 50 blocks, its cache holds 100"));
         assert!(problems[2].contains("does not list worker demo-w1"));
+    }
+
+    #[test]
+    fn a_worker_without_fresh_load_samples_is_a_disagreement() {
+        let expected = Expected {
+            workers: vec![("demo-w0".into(), 0)],
+            ..Expected::default()
+        };
+        let mut rows = listed(&[("demo-w0", 0)]);
+        rows[0].pressure = None;
+        let c = DaemonCounters::default();
+        let problems = disagreements(&expected, &c, &c, &rows);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains("no fresh load sample of demo-w0"));
     }
 
     #[test]

@@ -55,8 +55,8 @@ enum Ev {
     /// A follow-up turn arrives.
     Arrive(usize),
     /// A running request's prefill ends: its blocks are announced, its first token is out.
-    PrefillDone(u64),
-    Finish(u64),
+    PrefillDone(usize),
+    Finish(usize),
     Load(usize),
 }
 
@@ -100,13 +100,20 @@ struct Request {
     worker: Option<usize>,
     reservation: u64,
     /// Its `BlockStored` event, published at the end of prefill.
-    pending_store: Option<VllmEvent>,
+    pending_store: Option<PendingStore>,
     prefill_end_us: u64,
+}
+
+/// A `BlockStored` event waiting for the end of prefill, and how many blocks it stores.
+#[derive(Debug)]
+struct PendingStore {
+    event: VllmEvent,
+    blocks: u64,
 }
 
 /// What the gateways' HTTP calls came back with.
 enum Reply {
-    Routed(u64, Result<RouteReply, String>),
+    Routed(usize, Result<RouteReply, String>),
     Released(Result<(), String>),
 }
 
@@ -120,8 +127,8 @@ pub struct Fleet {
     start: Instant,
     heap: BinaryHeap<Scheduled>,
     order: u64,
-    requests: HashMap<u64, Request>,
-    next_request: u64,
+    requests: HashMap<usize, Request>,
+    next_request: usize,
     replies_tx: mpsc::UnboundedSender<Reply>,
     replies: mpsc::UnboundedReceiver<Reply>,
     /// HTTP calls not answered yet.
@@ -408,7 +415,7 @@ impl Fleet {
                 let request = self.requests.get_mut(&id).expect("routed request is known");
                 request.worker = Some(w);
                 request.reservation = decision.reservation;
-                self.workers[w].waiting.push_back(id as usize);
+                self.workers[w].waiting.push_back(id);
                 self.admit_waiting(w).await?;
             }
         }
@@ -419,7 +426,6 @@ impl Fleet {
     async fn admit_waiting(&mut self, w: usize) -> anyhow::Result<()> {
         let bs = self.cfg.block_size as u64;
         while let Some(&id) = self.workers[w].waiting.front() {
-            let id = id as u64;
             let request = &self.requests[&id];
             let need = Need {
                 keys: &request.keys[..request.stored],
@@ -467,14 +473,17 @@ impl Fleet {
             if !admission.stored.is_empty() {
                 let from = admission.cached * bs as usize;
                 let to = (admission.cached + admission.stored.len()) * bs as usize;
-                request.pending_store = Some(VllmEvent::BlockStored {
-                    block_hashes: admission.stored.iter().map(|b| b.engine_hash).collect(),
-                    parent_block_hash: admission.parent,
-                    token_ids: request.tokens[from..to].to_vec(),
-                    block_size: self.cfg.block_size,
-                    lora_id: None,
-                    medium: Some("GPU".into()),
-                    lora_name: None,
+                request.pending_store = Some(PendingStore {
+                    event: VllmEvent::BlockStored {
+                        block_hashes: admission.stored.iter().map(|b| b.engine_hash).collect(),
+                        parent_block_hash: admission.parent,
+                        token_ids: request.tokens[from..to].to_vec(),
+                        block_size: self.cfg.block_size,
+                        lora_id: None,
+                        medium: Some("GPU".into()),
+                        lora_name: None,
+                    },
+                    blocks: admission.stored.len() as u64,
                 });
             }
             request.prefill_end_us = prefill_end;
@@ -497,7 +506,7 @@ impl Fleet {
         Ok(())
     }
 
-    async fn prefill_done(&mut self, id: u64) -> anyhow::Result<()> {
+    async fn prefill_done(&mut self, id: usize) -> anyhow::Result<()> {
         let Some(request) = self.requests.get_mut(&id) else {
             return Ok(());
         };
@@ -508,18 +517,20 @@ impl Fleet {
             self.held_prefix = Some(request.tokens[..4 * self.cfg.block_size as usize].to_vec());
         }
         self.summary.record_ttft(ttft_us as f64 / 1e6);
-        if let Some(event) = store {
-            let blocks = match &event {
-                VllmEvent::BlockStored { block_hashes, .. } => block_hashes.len() as u64,
-                _ => 0,
-            };
-            self.publish(w, event).await?;
-            self.summary.stored_blocks += blocks;
+        match store {
+            Some(store) => self.announce_store(w, store).await,
+            None => Ok(()),
         }
+    }
+
+    /// Publishes a request's newly cached blocks.
+    async fn announce_store(&mut self, w: usize, store: PendingStore) -> anyhow::Result<()> {
+        self.publish(w, store.event).await?;
+        self.summary.stored_blocks += store.blocks;
         Ok(())
     }
 
-    async fn finish(&mut self, id: u64, at_us: u64) -> anyhow::Result<()> {
+    async fn finish(&mut self, id: usize, at_us: u64) -> anyhow::Result<()> {
         let Some(request) = self.requests.remove(&id) else {
             return Ok(());
         };
@@ -546,22 +557,17 @@ impl Fleet {
         self.heap.clear();
         self.stopping = true;
         let until = tokio::time::Instant::now() + deadline;
-        let mut ids: Vec<u64> = self.requests.keys().copied().collect();
+        let mut ids: Vec<usize> = self.requests.keys().copied().collect();
         ids.sort_unstable();
         for id in ids {
             let started = self.requests[&id].worker.is_some();
             if !started {
                 continue; // its route is in flight: released when the reply comes
             }
-            let mut request = self.requests.remove(&id).expect("listed");
+            let request = self.requests.remove(&id).expect("listed");
             let w = request.worker.expect("started");
-            if let Some(event) = request.pending_store.take() {
-                let blocks = match &event {
-                    VllmEvent::BlockStored { block_hashes, .. } => block_hashes.len() as u64,
-                    _ => 0,
-                };
-                self.publish(w, event).await?;
-                self.summary.stored_blocks += blocks;
+            if let Some(store) = request.pending_store {
+                self.announce_store(w, store).await?;
             }
             self.release(request.reservation);
         }

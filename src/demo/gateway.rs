@@ -32,6 +32,9 @@ pub struct RouteReply {
 pub struct ListedWorker {
     pub id: String,
     pub blocks: u64,
+    /// `None` when the worker's load samples are missing or stale.
+    #[serde(default)]
+    pub pressure: Option<f64>,
 }
 
 #[derive(Deserialize)]

@@ -275,6 +275,13 @@ async fn run_fleet(
         };
         eprintln!("demo: {why}; releasing reservations, announcing the last blocks");
     }
+    // A second Ctrl-C does not wait for the wind-down and the check.
+    tokio::spawn(async {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("demo: second Ctrl-C: exiting at once, without the check or leave");
+            std::process::exit(130);
+        }
+    });
     fleet.wind_down(args.check_timeout).await?;
 
     // The daemon applies what was published in its own time: poll until it accounts for it.
