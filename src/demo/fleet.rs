@@ -248,8 +248,9 @@ impl Fleet {
         self.publisher.settle().await
     }
 
-    /// Runs the fleet until `stop` resolves, printing a live line every `print_every` through
-    /// `print`; then finishes cleanly: see [`Fleet::wind_down`].
+    /// Runs the fleet until `stop` resolves, calling `print` every `print_every` (with the
+    /// route count at the previous call and the seconds since it). The caller then stops the
+    /// fleet cleanly with [`Fleet::wind_down`].
     pub async fn run(
         &mut self,
         stop: impl std::future::Future<Output = Stop>,
