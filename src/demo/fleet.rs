@@ -230,7 +230,6 @@ impl Fleet {
                     self.cfg.capacity_blocks,
                 )
                 .await?;
-            self.summary.lifecycle_messages += 1;
             self.send_load(w).await?;
         }
         self.publisher.settle().await
@@ -243,7 +242,6 @@ impl Fleet {
             self.publisher
                 .lifecycle(&id, LifecycleOp::Leave, self.cfg.block_size, 0)
                 .await?;
-            self.summary.lifecycle_messages += 1;
         }
         self.publisher.settle().await
     }

@@ -65,7 +65,9 @@ pub struct DemoArgs {
     /// Number of simulated workers (`demo-w00`, `demo-w01`, ...).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
-    /// Routes per second (default: the workload's own pace, about 8/s for the generator).
+    /// Routes per second in steady state (default: the workload's own pace, about 8/s for the
+    /// generator). A session's later turns wait for its previous turn, so the rate ramps up
+    /// over the first turns and drops when the simulated workers cannot keep up.
     #[arg(long)]
     pub rate: Option<f64>,
     /// Stop after this long, e.g. 30s (default: run until Ctrl-C or SIGTERM).

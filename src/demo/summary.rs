@@ -35,12 +35,11 @@ pub struct Summary {
     pub releases: u64,
     pub failed_releases: u64,
     /// What the fleet published: KV event batches and the blocks they stored and removed,
-    /// load samples, lifecycle messages.
+    /// load samples.
     pub kv_batches: u64,
     pub stored_blocks: u64,
     pub removed_blocks: u64,
     pub load_samples: u64,
-    pub lifecycle_messages: u64,
 }
 
 /// A point-in-time view of a [`Summary`], as printed and as `--json` writes it.

@@ -4,13 +4,20 @@
 //! Traces describe prompts by block ids (equal ids at equal positions are equal prefixes). The
 //! demo gives block id `h` the tokens `h * B, h * B + 1, ..., h * B + B - 1`, where `B` is the
 //! trace's tokens per id, so equal ids are equal tokens and the daemon's own hashing of the
-//! tokens finds the same prefixes. The generated workload's first system prompt is therefore
+//! tokens finds the same prefixes. Sessions repeat after a pass of the workload (about two
+//! minutes for the generator). The generated workload's first system prompt is therefore
 //! always the tokens `0, 1, 2, ...`: a prefix the demo's workers hold once it has run a few
 //! seconds.
 
 use std::path::Path;
 
 use crate::sim::{generate, AgenticParams, Trace};
+
+/// Seconds one pass of the generated workload lasts at least (at `--rate`), before its
+/// sessions repeat.
+const GENERATED_PASS_S: f64 = 120.0;
+/// Bounds the generated workload's memory at very high rates.
+const MAX_SESSIONS: usize = 100_000;
 
 /// The generator's parameters for a live demo: smaller prompts than the simulator's defaults,
 /// so token lists stay small on the wire and a few workers show reuse and eviction within
@@ -54,7 +61,16 @@ impl Workload {
     ) -> anyhow::Result<Workload> {
         let trace = match trace {
             Some(path) => Trace::load_mooncake(path, trace_block_tokens, None)?,
-            None => generate::agentic(&demo_agentic_params(), block_size, seed)?,
+            None => {
+                let mut params = demo_agentic_params();
+                // Enough sessions that one pass lasts about two minutes at the rate before the
+                // same sessions come back (a repeat would overstate the hit ratio).
+                if let Some(rate) = rate.filter(|r| r.is_finite() && *r > 0.0) {
+                    let needed = (GENERATED_PASS_S * rate / params.turns as f64).ceil() as usize;
+                    params.sessions = params.sessions.max(needed.min(MAX_SESSIONS));
+                }
+                generate::agentic(&params, block_size, seed)?
+            }
         };
         Workload::new(trace, rate)
     }
@@ -183,6 +199,16 @@ mod tests {
         assert_eq!(last, 1_000_000, "4 routes/s: the 4 requests fit in 1 s");
         assert!(w.cycle_us > last, "the next pass starts after this one");
         assert!(Workload::new(w.trace.clone(), Some(0.0)).is_err());
+    }
+
+    #[test]
+    fn a_generated_pass_lasts_minutes_even_at_a_high_rate() {
+        let w = Workload::build(None, 512, 16, Some(200.0), 0).unwrap();
+        assert!(
+            w.cycle_us >= 100_000_000,
+            "sessions repeat only after about two minutes, not {}us",
+            w.cycle_us
+        );
     }
 
     #[test]
