@@ -136,6 +136,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     let workload = Workload::build(
         args.trace.as_deref(),
+        args.generate,
         args.trace_block_tokens,
         args.block_size,
         args.rate,

@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use crate::sim::{generate, AgenticParams, Trace};
+use crate::sim::{generate, AgenticParams, Generator, Trace};
 
 /// Seconds one pass of the generated workload lasts at least (at `--rate`), before its
 /// sessions repeat.
@@ -51,17 +51,19 @@ pub struct Workload {
 
 impl Workload {
     /// Reads `trace` (Mooncake JSONL with `trace_block_tokens` tokens per hash id) or generates
-    /// the agentic workload, and scales open-loop arrivals to `rate` routes per second.
+    /// the `generator`'s workload (agentic when none is named), and scales open-loop arrivals
+    /// to `rate` routes per second.
     pub fn build(
         trace: Option<&Path>,
+        generator: Option<Generator>,
         trace_block_tokens: u32,
         block_size: u32,
         rate: Option<f64>,
         seed: u64,
     ) -> anyhow::Result<Workload> {
-        let trace = match trace {
-            Some(path) => Trace::load_mooncake(path, trace_block_tokens, None)?,
-            None => {
+        let trace = match (trace, generator) {
+            (Some(path), _) => Trace::load_mooncake(path, trace_block_tokens, None)?,
+            (None, None | Some(Generator::Agentic)) => {
                 let mut params = demo_agentic_params();
                 // Enough sessions that one pass lasts about two minutes at the rate before the
                 // same sessions come back (a repeat would overstate the hit ratio).
@@ -203,7 +205,7 @@ mod tests {
 
     #[test]
     fn a_generated_pass_lasts_minutes_even_at_a_high_rate() {
-        let w = Workload::build(None, 512, 16, Some(200.0), 0).unwrap();
+        let w = Workload::build(None, None, 512, 16, Some(200.0), 0).unwrap();
         assert!(
             w.cycle_us >= 100_000_000,
             "sessions repeat only after about two minutes, not {}us",
@@ -213,7 +215,7 @@ mod tests {
 
     #[test]
     fn the_default_workload_sends_its_first_system_prompt_from_token_zero_within_seconds() {
-        let w = Workload::build(None, 512, 16, None, 0).unwrap();
+        let w = Workload::build(None, None, 512, 16, None, 0).unwrap();
         let prompt = demo_agentic_params().system_prompt_tokens as u32;
         let first = (0..w.trace.requests.len())
             .find(|&i| w.tokens(i)[0] == 0)
