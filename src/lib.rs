@@ -18,6 +18,8 @@
 //! - [`journal`]: the sled journal and snapshots; export for audits.
 //! - [`replay`]: re-applies a journal through the core (audit and counterfactuals).
 //! - [`sim`]: the simulator, driving the same core with simulated workers.
+//! - [`demo`]: `kvrouted demo`, a live simulated fleet against a running daemon over NATS and
+//!   HTTP (first-run demo, staging smoke test, load generator).
 //! - [`prom`]: Prometheus metric names and recording, the rate-limited rejection log.
 //! - [`config`]: command-line and file configuration.
 //! - [`nats_options`]: NATS url, credentials and TLS, shared by every command that connects.
@@ -26,6 +28,7 @@ pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wir
 
 pub mod config;
 pub mod daemon;
+pub mod demo;
 pub mod http;
 pub mod ingest;
 pub mod journal;

@@ -36,6 +36,9 @@ enum Command {
     Journal(JournalCommand),
     /// Replay a trace against simulated workers and compare policies.
     Simulate(kvrouted::sim::SimulateArgs),
+    /// Run a live simulated fleet against a running daemon (NATS + HTTP), then check that the
+    /// daemon accounts for everything it sent.
+    Demo(kvrouted::demo::DemoArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -115,6 +118,12 @@ fn main() -> ExitCode {
             Ok(ExitCode::SUCCESS)
         })(),
         Command::Simulate(args) => kvrouted::sim::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Demo(args) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the async runtime")
+            .and_then(|rt| rt.block_on(kvrouted::demo::run(args)))
+            .map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

@@ -15,7 +15,7 @@ pub mod generate;
 pub mod plot;
 pub mod report;
 pub mod trace;
-mod worker;
+pub(crate) mod worker;
 
 use std::io::Write;
 use std::path::PathBuf;
