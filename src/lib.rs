@@ -4,6 +4,7 @@
 //! The crate is one pure, deterministic state machine ([`router::Router`]) and thin adapters
 //! around it. Start reading at [`router`], then [`policy`] for DESIGN.md §5.
 
+pub mod bridge;
 pub mod config;
 pub mod daemon;
 pub mod hashing;
@@ -13,6 +14,7 @@ pub mod ingest;
 pub mod input;
 pub mod journal;
 pub mod metrics;
+pub mod nats_connect;
 pub mod policy;
 pub mod replay;
 pub mod reservations;

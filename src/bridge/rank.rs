@@ -1,0 +1,459 @@
+//! One dp rank: the SUB subscription to the engine's PUB socket, gap repair from its replay
+//! socket, and forwarding to JetStream with pipelined acks, in the engine's order.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::context::{PublishAckFuture, PublishError};
+use async_nats::jetstream::publish::PublishAck;
+use bytes::Bytes;
+use metrics::{counter, gauge};
+use tokio::sync::{mpsc, watch};
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+use super::cursor::{Epochs, RankCursor, Step};
+use super::forward::Forwarder;
+use super::frames::{parse_live, topic_name, Numbered};
+use super::replay;
+
+/// What `/healthz` shows of a rank.
+#[derive(Debug)]
+pub struct RankStatus {
+    pub rank: u32,
+    pub engine_connected: AtomicBool,
+    /// The last sequence acknowledged by the stream; `u64::MAX` when none yet.
+    pub last_acked: AtomicU64,
+    pub epoch: Mutex<String>,
+}
+
+impl RankStatus {
+    pub fn new(rank: u32, epoch: String) -> RankStatus {
+        RankStatus {
+            rank,
+            engine_connected: AtomicBool::new(false),
+            last_acked: AtomicU64::new(u64::MAX),
+            epoch: Mutex::new(epoch),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RankConfig {
+    pub rank: u32,
+    pub pub_endpoint: String,
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    /// How long one replay reply may take.
+    pub replay_timeout: Duration,
+    /// Batches handed to NATS whose acks are still awaited.
+    pub ack_window: usize,
+    /// With no live batch for this long, ask the replay socket whether anything was missed.
+    pub idle_check: Duration,
+}
+
+/// A batch on its way to the stream.
+struct InFlight {
+    seq: u64,
+    epoch: Arc<str>,
+    payload: Bytes,
+    received: Instant,
+    ack: AckFuture,
+}
+
+type AckFuture = std::pin::Pin<Box<dyn std::future::Future<Output = AckResult> + Send>>;
+type AckResult = Result<PublishAck, PublishError>;
+
+struct Rank {
+    cfg: RankConfig,
+    label: String,
+    cursor: RankCursor,
+    epoch: Arc<str>,
+    forwarder: Forwarder,
+    epochs: Arc<Epochs>,
+    status: Arc<RankStatus>,
+    inflight: VecDeque<InFlight>,
+}
+
+/// Runs the rank until `shutdown` turns true, then waits (up to 5s) for the acks in flight.
+pub async fn run(
+    cfg: RankConfig,
+    cursor: RankCursor,
+    forwarder: Forwarder,
+    epochs: Arc<Epochs>,
+    status: Arc<RankStatus>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let (tx, mut live) = mpsc::channel::<(Numbered, Instant)>(65_536);
+    let subscription = tokio::spawn(subscribe(
+        cfg.pub_endpoint.clone(),
+        cfg.topic.clone(),
+        tx,
+        status.clone(),
+        cfg.rank,
+    ));
+    let label = cfg.rank.to_string();
+    for name in [
+        "kvrouted_bridge_forwarded_total",
+        "kvrouted_bridge_replayed_total",
+        "kvrouted_bridge_lost_total",
+        "kvrouted_bridge_duplicates_total",
+        "kvrouted_bridge_engine_restarts_total",
+    ] {
+        counter!(name, "rank" => label.clone()).absolute(0);
+    }
+    gauge!("kvrouted_bridge_lag_seconds", "rank" => label.clone()).set(0.0);
+    let mut rank = Rank {
+        epoch: Arc::from(cursor.epoch.as_str()),
+        cfg,
+        label,
+        cursor,
+        forwarder,
+        epochs,
+        status,
+        inflight: VecDeque::new(),
+    };
+
+    // Catch up with what the engine buffered while nobody forwarded it. The subscription goes
+    // first so that nothing published after the replay's snapshot is missed; an idle check
+    // repairs what lands between the two.
+    let connected_by = Instant::now() + rank.cfg.replay_timeout;
+    while !rank.status.engine_connected.load(Ordering::Acquire) && Instant::now() < connected_by {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    rank.catch_up().await;
+
+    let mut idle = tokio::time::interval(rank.cfg.idle_check);
+    idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut heard_since_tick = true;
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.changed() => break,
+            Some((batch, received)) = live.recv() => {
+                heard_since_tick = true;
+                rank.live(batch, received).await;
+                // Collect the acks that are already in without waiting for any.
+                rank.reap_ready().await;
+            }
+            _ = idle.tick() => {
+                rank.reap_ready().await;
+                if rank.inflight.is_empty() {
+                    gauge!("kvrouted_bridge_lag_seconds", "rank" => rank.label.clone()).set(0.0);
+                }
+                if !heard_since_tick {
+                    rank.catch_up().await;
+                }
+                heard_since_tick = false;
+            }
+        }
+    }
+    subscription.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(5), rank.drain()).await;
+}
+
+impl Rank {
+    /// A batch from the PUB socket.
+    async fn live(&mut self, batch: Numbered, received: Instant) {
+        let mut step = self.cursor.live(batch.seq);
+        if step == Step::Restart {
+            let epoch = self.epochs.after(&self.cursor.epoch);
+            tracing::warn!(
+                rank = self.cfg.rank,
+                seq = batch.seq,
+                after = ?self.cursor.last_forwarded(),
+                epoch,
+                "engine restarted (its sequence went back): new epoch"
+            );
+            counter!("kvrouted_bridge_engine_restarts_total", "rank" => self.label.clone())
+                .increment(1);
+            self.set_epoch(epoch);
+            step = self.cursor.live(batch.seq);
+        }
+        match step {
+            Step::Forward => {
+                self.forward(batch.seq, batch.payload, received, false)
+                    .await
+            }
+            Step::Duplicate => {
+                counter!("kvrouted_bridge_duplicates_total", "rank" => self.label.clone())
+                    .increment(1);
+            }
+            Step::Gap { from } => {
+                tracing::info!(
+                    rank = self.cfg.rank,
+                    from,
+                    to = batch.seq - 1,
+                    "sequence gap: asking the replay socket"
+                );
+                self.replay_from(from).await;
+                // The replay normally included this batch; if not, what lies before it is gone.
+                match self.cursor.replayed(batch.seq) {
+                    Step::Duplicate => {}
+                    Step::Forward => {
+                        self.forward(batch.seq, batch.payload, received, false)
+                            .await
+                    }
+                    Step::Gap { .. } | Step::Restart => {
+                        self.lose_up_to(batch.seq);
+                        self.forward(batch.seq, batch.payload, received, false)
+                            .await;
+                    }
+                }
+            }
+            Step::Restart => unreachable!("a fresh cursor does not see a restart"),
+        }
+    }
+
+    fn set_epoch(&mut self, epoch: String) {
+        self.cursor.restart(epoch.clone());
+        *self.status.epoch.lock().unwrap_or_else(|e| e.into_inner()) = epoch.clone();
+        self.epoch = Arc::from(epoch);
+    }
+
+    fn lose_up_to(&mut self, seq: u64) {
+        let from = self.cursor.next();
+        let lost = self.cursor.skip_to(seq);
+        if lost > 0 {
+            counter!("kvrouted_bridge_lost_total", "rank" => self.label.clone()).increment(lost);
+            tracing::warn!(
+                rank = self.cfg.rank,
+                from,
+                to = seq - 1,
+                lost,
+                "KV event batches lost: the engine no longer buffers them"
+            );
+        }
+    }
+
+    /// Asks the replay socket for everything from the next expected sequence on.
+    async fn catch_up(&mut self) {
+        if self.cfg.replay_endpoint.is_some() {
+            self.replay_from(self.cursor.next()).await;
+        }
+    }
+
+    /// Forwards what the replay socket still buffers from `from` on. What it no longer has
+    /// before its first batch is counted as lost.
+    async fn replay_from(&mut self, from: u64) {
+        let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
+            return;
+        };
+        let replayed = match replay::request(&endpoint, from, self.cfg.replay_timeout).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(rank = self.cfg.rank, from, "replay failed: {e}");
+                return;
+            }
+        };
+        for e in &replayed.rejected {
+            counter!("kvrouted_bridge_rejected_total", "reason" => e.reason()).increment(1);
+            tracing::warn!(rank = self.cfg.rank, "bad replay reply: {e}");
+        }
+        let now = Instant::now();
+        for batch in replayed.batches {
+            match self.cursor.replayed(batch.seq) {
+                Step::Duplicate => {}
+                Step::Forward => self.forward(batch.seq, batch.payload, now, true).await,
+                Step::Gap { .. } | Step::Restart => {
+                    self.lose_up_to(batch.seq);
+                    self.forward(batch.seq, batch.payload, now, true).await;
+                }
+            }
+        }
+    }
+
+    async fn forward(&mut self, seq: u64, payload: Bytes, received: Instant, replayed: bool) {
+        while self.inflight.len() >= self.cfg.ack_window {
+            self.reap_one().await;
+        }
+        let ack = publish(
+            &self.forwarder,
+            self.cfg.rank,
+            seq,
+            &self.epoch,
+            payload.clone(),
+        )
+        .await;
+        self.inflight.push_back(InFlight {
+            seq,
+            epoch: self.epoch.clone(),
+            payload,
+            received,
+            ack: std::future::IntoFuture::into_future(ack),
+        });
+        self.cursor.forwarded(seq);
+        if replayed {
+            counter!("kvrouted_bridge_replayed_total", "rank" => self.label.clone()).increment(1);
+        }
+    }
+
+    /// Awaits the oldest ack.
+    async fn reap_one(&mut self) {
+        let Some(mut first) = self.inflight.pop_front() else {
+            return;
+        };
+        let result = (&mut first.ack).await;
+        self.settle(first, result).await;
+    }
+
+    /// Collects the acks that have already arrived, oldest first, without waiting.
+    async fn reap_ready(&mut self) {
+        use futures::FutureExt;
+        while let Some(front) = self.inflight.front_mut() {
+            let Some(result) = (&mut front.ack).now_or_never() else {
+                break;
+            };
+            let first = self.inflight.pop_front().expect("front exists");
+            self.settle(first, result).await;
+        }
+    }
+
+    /// An ack came back. A failed one is published again (synchronously, with backoff) after
+    /// every later batch in flight has had its answer, so the retry cannot overtake them.
+    async fn settle(&mut self, first: InFlight, result: AckResult) {
+        let e = match result {
+            Ok(_) => return self.acked(first.seq, first.received),
+            Err(e) => e,
+        };
+        tracing::warn!(
+            rank = self.cfg.rank,
+            seq = first.seq,
+            "no stream ack ({e}); publishing again"
+        );
+        let mut failed = vec![first];
+        while let Some(mut f) = self.inflight.pop_front() {
+            match (&mut f.ack).await {
+                Ok(_) => self.acked(f.seq, f.received),
+                Err(_) => failed.push(f),
+            }
+        }
+        for f in failed {
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                counter!("kvrouted_bridge_publish_retries_total", "rank" => self.label.clone())
+                    .increment(1);
+                match publish(
+                    &self.forwarder,
+                    self.cfg.rank,
+                    f.seq,
+                    &f.epoch,
+                    f.payload.clone(),
+                )
+                .await
+                .await
+                {
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::warn!(
+                            rank = self.cfg.rank,
+                            seq = f.seq,
+                            "stream ack failed again: {e}"
+                        );
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                    }
+                }
+            }
+            self.acked(f.seq, f.received);
+        }
+    }
+
+    fn acked(&self, seq: u64, received: Instant) {
+        counter!("kvrouted_bridge_forwarded_total", "rank" => self.label.clone()).increment(1);
+        gauge!("kvrouted_bridge_lag_seconds", "rank" => self.label.clone())
+            .set(received.elapsed().as_secs_f64());
+        self.status.last_acked.store(seq, Ordering::Release);
+    }
+
+    async fn drain(&mut self) {
+        while !self.inflight.is_empty() {
+            self.reap_one().await;
+        }
+    }
+}
+
+/// Hands a batch to NATS, retrying with backoff while the client refuses it.
+async fn publish(
+    forwarder: &Forwarder,
+    rank: u32,
+    seq: u64,
+    epoch: &str,
+    payload: Bytes,
+) -> PublishAckFuture {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match forwarder.publish(rank, seq, epoch, payload.clone()).await {
+            Ok(ack) => return ack,
+            Err(e) => {
+                tracing::warn!(rank, seq, "publish failed, retrying: {e}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+/// Keeps a SUB connection to the engine's PUB socket and passes every batch on, reconnecting
+/// with backoff when the engine goes away.
+async fn subscribe(
+    endpoint: String,
+    topic: String,
+    tx: mpsc::Sender<(Numbered, Instant)>,
+    status: Arc<RankStatus>,
+    rank: u32,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut socket = SubSocket::new();
+        let connected = async {
+            socket.connect(&endpoint).await?;
+            socket.subscribe(&topic).await
+        }
+        .await;
+        if let Err(e) = connected {
+            tracing::warn!(rank, endpoint, "cannot subscribe to the engine: {e}");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            continue;
+        }
+        tracing::info!(rank, endpoint, "subscribed to the engine's KV events");
+        status.engine_connected.store(true, Ordering::Release);
+        backoff = Duration::from_millis(100);
+        loop {
+            match socket.recv().await {
+                Ok(message) => {
+                    let received = Instant::now();
+                    let frames = message.into_vec();
+                    // The subscription matches by prefix; the topic must be exactly ours (a
+                    // suffix after NUL aside).
+                    if frames
+                        .first()
+                        .is_some_and(|t| topic_name(t) != topic.as_bytes())
+                    {
+                        continue;
+                    }
+                    match parse_live(&frames) {
+                        Ok(batch) => {
+                            if tx.send((batch, received)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            counter!("kvrouted_bridge_rejected_total", "reason" => e.reason())
+                                .increment(1);
+                            tracing::warn!(rank, "bad KV event message from the engine: {e}");
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(rank, endpoint, "engine connection lost: {e}; reconnecting");
+                    break;
+                }
+            }
+        }
+        status.engine_connected.store(false, Ordering::Release);
+        tokio::time::sleep(backoff).await;
+    }
+}
