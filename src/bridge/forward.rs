@@ -22,6 +22,8 @@ pub struct Position {
     pub epoch: String,
     /// The stream sequence of that message: the newest position across ranks wins the epoch.
     pub stream_seq: u64,
+    /// Its payload: if the engine's batch with this sequence differs, the engine restarted.
+    pub payload: Bytes,
 }
 
 #[derive(Clone)]
@@ -109,7 +111,7 @@ impl Forwarder {
             Err(e) => return Err(format!("last message on {}: {e}", self.subject)),
         };
         let mut found = BTreeMap::new();
-        note(&mut found, &last.headers, last.sequence);
+        note(&mut found, &last.headers, last.sequence, &last.payload);
         if found.len() as u32 >= dp_size {
             return Ok(found);
         }
@@ -148,7 +150,7 @@ impl Forwarder {
                     .map_err(|e| format!("message info: {e}"))?
                     .stream_sequence;
                 if let Some(headers) = &message.headers {
-                    note(&mut found, headers, stream_seq);
+                    note(&mut found, headers, stream_seq, &message.payload);
                 }
                 if stream_seq >= last.sequence {
                     break;
@@ -162,7 +164,12 @@ impl Forwarder {
     }
 }
 
-fn note(found: &mut BTreeMap<u32, Position>, headers: &HeaderMap, stream_seq: u64) {
+fn note(
+    found: &mut BTreeMap<u32, Position>,
+    headers: &HeaderMap,
+    stream_seq: u64,
+    payload: &Bytes,
+) {
     let get = |name: &str| headers.get(name).map(|v| v.as_str().trim().to_string());
     let Some(seq) = get("Kv-Seq").and_then(|s| s.parse::<u64>().ok()) else {
         return;
@@ -177,6 +184,7 @@ fn note(found: &mut BTreeMap<u32, Position>, headers: &HeaderMap, stream_seq: u6
             seq,
             epoch,
             stream_seq,
+            payload: payload.clone(),
         },
     );
 }

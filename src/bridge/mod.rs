@@ -215,9 +215,11 @@ pub async fn run(args: BridgeArgs) -> anyhow::Result<()> {
     let mut tasks = Vec::new();
     for (r, (pub_endpoint, replay_endpoint)) in endpoints.into_iter().enumerate() {
         let r = r as u32;
-        let (last, epoch) = match positions.get(&r) {
-            Some(p) if !p.epoch.is_empty() => (Some(p.seq), p.epoch.clone()),
-            _ => (None, newest.clone()),
+        let (last, epoch, last_payload) = match positions.get(&r) {
+            Some(p) if !p.epoch.is_empty() => {
+                (Some(p.seq), p.epoch.clone(), Some(p.payload.clone()))
+            }
+            _ => (None, newest.clone(), None),
         };
         let status = Arc::new(rank::RankStatus::new(r, epoch.clone()));
         statuses.push(status.clone());
@@ -232,6 +234,7 @@ pub async fn run(args: BridgeArgs) -> anyhow::Result<()> {
                 idle_check: args.idle_check,
             },
             RankCursor::resume(last, epoch),
+            last_payload,
             forwarder.clone(),
             epochs.clone(),
             status,

@@ -74,12 +74,17 @@ struct Rank {
     epochs: Arc<Epochs>,
     status: Arc<RankStatus>,
     inflight: VecDeque<InFlight>,
+    /// The payload of the last forwarded batch.
+    last_payload: Option<Bytes>,
 }
 
 /// Runs the rank until `shutdown` turns true, then waits (up to 5s) for the acks in flight.
+/// `last_payload` is the payload of the last batch forwarded before (read back from the
+/// stream), which tells whether the engine behind the replay socket is still the same process.
 pub async fn run(
     cfg: RankConfig,
     cursor: RankCursor,
+    last_payload: Option<Bytes>,
     forwarder: Forwarder,
     epochs: Arc<Epochs>,
     status: Arc<RankStatus>,
@@ -113,6 +118,7 @@ pub async fn run(
         epochs,
         status,
         inflight: VecDeque::new(),
+        last_payload,
     };
 
     // Catch up with what the engine buffered while nobody forwarded it. The subscription goes
@@ -131,11 +137,17 @@ pub async fn run(
         tokio::select! {
             biased;
             _ = shutdown.changed() => break,
+            // The oldest ack, as soon as it is in: keeps /metrics and the lag current.
+            result = std::future::poll_fn(|cx| match rank.inflight.front_mut() {
+                Some(f) => f.ack.as_mut().poll(cx),
+                None => std::task::Poll::Pending,
+            }) => {
+                let first = rank.inflight.pop_front().expect("a front ack resolved");
+                rank.settle(first, result).await;
+            }
             Some((batch, received)) = live.recv() => {
                 heard_since_tick = true;
                 rank.live(batch, received).await;
-                // Collect the acks that are already in without waiting for any.
-                rank.reap_ready().await;
             }
             _ = idle.tick() => {
                 rank.reap_ready().await;
@@ -227,10 +239,54 @@ impl Rank {
         }
     }
 
-    /// Asks the replay socket for everything from the next expected sequence on.
+    /// Asks the replay socket for what followed the last forwarded batch, starting at that
+    /// batch itself: an engine that restarted no longer has it (an empty reply) or has another
+    /// batch under its number (a different payload), and then everything it buffers is replayed
+    /// under a new epoch. Called at start and whenever the rank has been quiet for a while.
     async fn catch_up(&mut self) {
-        if self.cfg.replay_endpoint.is_some() {
-            self.replay_from(self.cursor.next()).await;
+        let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
+            return;
+        };
+        let Some(last) = self.cursor.last_forwarded() else {
+            return self.replay_from(0).await;
+        };
+        let replayed = match replay::request(&endpoint, last, self.cfg.replay_timeout).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(rank = self.cfg.rank, "catch-up replay failed: {e}");
+                return;
+            }
+        };
+        self.count_rejected(&replayed.rejected);
+        let same_engine = match replayed.batches.first() {
+            None => false,
+            Some(first) if first.seq == last => self
+                .last_payload
+                .as_ref()
+                .is_none_or(|p| *p == first.payload),
+            // The engine moved on past its buffer: same process, the rest is a gap.
+            Some(_) => true,
+        };
+        if !same_engine {
+            let epoch = self.epochs.after(&self.cursor.epoch);
+            tracing::warn!(
+                rank = self.cfg.rank,
+                after = last,
+                epoch,
+                "engine restarted (it no longer has the last forwarded batch): new epoch"
+            );
+            counter!("kvrouted_bridge_engine_restarts_total", "rank" => self.label.clone())
+                .increment(1);
+            self.set_epoch(epoch);
+            return self.replay_from(0).await;
+        }
+        self.forward_replayed(replayed.batches).await;
+    }
+
+    fn count_rejected(&self, rejected: &[super::frames::FrameError]) {
+        for e in rejected {
+            counter!("kvrouted_bridge_rejected_total", "reason" => e.reason()).increment(1);
+            tracing::warn!(rank = self.cfg.rank, "bad replay reply: {e}");
         }
     }
 
@@ -247,12 +303,13 @@ impl Rank {
                 return;
             }
         };
-        for e in &replayed.rejected {
-            counter!("kvrouted_bridge_rejected_total", "reason" => e.reason()).increment(1);
-            tracing::warn!(rank = self.cfg.rank, "bad replay reply: {e}");
-        }
+        self.count_rejected(&replayed.rejected);
+        self.forward_replayed(replayed.batches).await;
+    }
+
+    async fn forward_replayed(&mut self, batches: Vec<Numbered>) {
         let now = Instant::now();
-        for batch in replayed.batches {
+        for batch in batches {
             match self.cursor.replayed(batch.seq) {
                 Step::Duplicate => {}
                 Step::Forward => self.forward(batch.seq, batch.payload, now, true).await,
@@ -284,6 +341,7 @@ impl Rank {
             ack: std::future::IntoFuture::into_future(ack),
         });
         self.cursor.forwarded(seq);
+        self.last_payload = Some(self.inflight.back().expect("just pushed").payload.clone());
         if replayed {
             counter!("kvrouted_bridge_replayed_total", "rank" => self.label.clone()).increment(1);
         }
