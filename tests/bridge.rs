@@ -703,3 +703,54 @@ async fn sigusr1_drains_the_worker() {
     bridge.signal("-USR1");
     daemon.wait_state("w1", "draining").await;
 }
+
+#[test]
+fn bridge_help_explains_every_flag() {
+    let (status, out, _) = common::run_to_exit({
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
+        c.args(["bridge", "--help"]);
+        c
+    });
+    assert!(status.success());
+    for flag in [
+        "--zmq",
+        "--replay",
+        "--dp-size",
+        "--topic",
+        "--metrics",
+        "--engine",
+        "--max-running",
+        "--load-interval",
+        "--worker",
+        "--model",
+        "--block-size",
+        "--nats-url",
+        "--http-addr",
+        "--subject-prefix",
+        "--stream",
+    ] {
+        let lines: Vec<&str> = out.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.trim_start().starts_with(&format!("{flag} ")))
+            .unwrap_or_else(|| panic!("{flag} missing from --help:\n{out}"));
+        let explained = lines
+            .get(at + 1)
+            .is_some_and(|next| next.trim().len() > 10 && !next.trim_start().starts_with('-'));
+        assert!(explained, "{flag} has an explanation:\n{out}");
+    }
+}
+
+#[test]
+fn bridge_with_an_invalid_worker_id_exits_with_a_clear_error() {
+    let (status, _, err) = common::run_to_exit({
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
+        c.args(["bridge", "--zmq", "tcp://127.0.0.1:1", "--worker", "a.b"]);
+        c
+    });
+    assert!(!status.success());
+    assert!(
+        err.contains("--worker") && err.contains("invalid worker id"),
+        "{err}"
+    );
+}

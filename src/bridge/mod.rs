@@ -125,7 +125,11 @@ pub struct Health {
 }
 
 /// Runs the bridge until SIGTERM or SIGINT.
-pub async fn run(args: BridgeArgs) -> anyhow::Result<()> {
+pub async fn run(mut args: BridgeArgs) -> anyhow::Result<()> {
+    // An empty setting (e.g. an unset variable in a compose file) means none.
+    args.model = args.model.filter(|m| !m.is_empty());
+    args.metrics = args.metrics.filter(|m| !m.is_empty());
+    args.replay = args.replay.filter(|r| !r.is_empty());
     let worker = WorkerId::new(&args.worker).map_err(|e| anyhow::anyhow!("--worker: {e}"))?;
     let mut endpoints = Vec::new();
     for r in 0..args.dp_size {
