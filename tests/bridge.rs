@@ -754,3 +754,36 @@ fn bridge_with_an_invalid_worker_id_exits_with_a_clear_error() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn bridge_forwards_what_the_engine_published_while_nats_was_down() {
+    let mut nats = Nats::start();
+    let daemon = Daemon::start(&nats.url(), &[]).await;
+    let mut engine = TestEngine::start(EngineOptions::vllm()).await;
+    engine.publish(0, store(0, 1)).await;
+    let bridge = Bridge::start(&nats.url(), &engine, "w1", QUICK).await;
+    daemon.wait_blocks("w1", 1).await;
+    nats.stop();
+    eventually("the bridge sees NATS down", || async {
+        let h = bridge.health().await;
+        (h["nats_connected"] == false && h["status"] == "degraded").then_some(())
+    })
+    .await;
+    for seed in 1..4 {
+        engine.publish(0, store(seed, 1)).await;
+    }
+    nats.restart();
+    daemon.wait_blocks("w1", 4).await;
+    let seqs: Vec<u64> = forwarded(&nats.url(), "w1", 4)
+        .await
+        .iter()
+        .map(|b| b.seq)
+        .collect();
+    assert_eq!(seqs, vec![0, 1, 2, 3], "in order, each once");
+    assert_eq!(
+        bridge
+            .metric(&bridge_series("kvrouted_bridge_lost_total", 0))
+            .await,
+        0.0
+    );
+}
