@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::context::{PublishAckFuture, PublishError};
 use async_nats::jetstream::publish::PublishAck;
 use bytes::Bytes;
-use metrics::{counter, gauge};
+use metrics::{counter, gauge, Counter, Gauge};
 use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
@@ -65,9 +65,41 @@ struct InFlight {
 type AckFuture = std::pin::Pin<Box<dyn std::future::Future<Output = AckResult> + Send>>;
 type AckResult = Result<PublishAck, PublishError>;
 
+/// The rank's series, registered once: a lookup per batch would cost more than the forwarding.
+struct RankMetrics {
+    forwarded: Counter,
+    replayed: Counter,
+    lost: Counter,
+    duplicates: Counter,
+    restarts: Counter,
+    retries: Counter,
+    lag: Gauge,
+}
+
+impl RankMetrics {
+    fn new(rank: &str) -> RankMetrics {
+        let c = |name: &'static str| {
+            let c = counter!(name, "rank" => rank.to_string());
+            c.absolute(0);
+            c
+        };
+        let lag = gauge!("kvrouted_bridge_lag_seconds", "rank" => rank.to_string());
+        lag.set(0.0);
+        RankMetrics {
+            forwarded: c("kvrouted_bridge_forwarded_total"),
+            replayed: c("kvrouted_bridge_replayed_total"),
+            lost: c("kvrouted_bridge_lost_total"),
+            duplicates: c("kvrouted_bridge_duplicates_total"),
+            restarts: c("kvrouted_bridge_engine_restarts_total"),
+            retries: c("kvrouted_bridge_publish_retries_total"),
+            lag,
+        }
+    }
+}
+
 struct Rank {
     cfg: RankConfig,
-    label: String,
+    metrics: RankMetrics,
     cursor: RankCursor,
     epoch: Arc<str>,
     forwarder: Forwarder,
@@ -99,20 +131,11 @@ pub async fn run(
         cfg.rank,
     ));
     let label = cfg.rank.to_string();
-    for name in [
-        "kvrouted_bridge_forwarded_total",
-        "kvrouted_bridge_replayed_total",
-        "kvrouted_bridge_lost_total",
-        "kvrouted_bridge_duplicates_total",
-        "kvrouted_bridge_engine_restarts_total",
-    ] {
-        counter!(name, "rank" => label.clone()).absolute(0);
-    }
-    gauge!("kvrouted_bridge_lag_seconds", "rank" => label.clone()).set(0.0);
+    let metrics = RankMetrics::new(&label);
     let mut rank = Rank {
         epoch: Arc::from(cursor.epoch.as_str()),
         cfg,
-        label,
+        metrics,
         cursor,
         forwarder,
         epochs,
@@ -152,7 +175,7 @@ pub async fn run(
             _ = idle.tick() => {
                 rank.reap_ready().await;
                 if rank.inflight.is_empty() {
-                    gauge!("kvrouted_bridge_lag_seconds", "rank" => rank.label.clone()).set(0.0);
+                    rank.metrics.lag.set(0.0);
                 }
                 if !heard_since_tick {
                     rank.catch_up().await;
@@ -178,8 +201,7 @@ impl Rank {
                 epoch,
                 "engine restarted (its sequence went back): new epoch"
             );
-            counter!("kvrouted_bridge_engine_restarts_total", "rank" => self.label.clone())
-                .increment(1);
+            self.metrics.restarts.increment(1);
             self.set_epoch(epoch);
             step = self.cursor.live(batch.seq);
         }
@@ -189,8 +211,7 @@ impl Rank {
                     .await
             }
             Step::Duplicate => {
-                counter!("kvrouted_bridge_duplicates_total", "rank" => self.label.clone())
-                    .increment(1);
+                self.metrics.duplicates.increment(1);
             }
             Step::Gap { from } => {
                 tracing::info!(
@@ -228,7 +249,7 @@ impl Rank {
         let from = self.cursor.next();
         let lost = self.cursor.skip_to(seq);
         if lost > 0 {
-            counter!("kvrouted_bridge_lost_total", "rank" => self.label.clone()).increment(lost);
+            self.metrics.lost.increment(lost);
             tracing::warn!(
                 rank = self.cfg.rank,
                 from,
@@ -275,8 +296,7 @@ impl Rank {
                 epoch,
                 "engine restarted (it no longer has the last forwarded batch): new epoch"
             );
-            counter!("kvrouted_bridge_engine_restarts_total", "rank" => self.label.clone())
-                .increment(1);
+            self.metrics.restarts.increment(1);
             self.set_epoch(epoch);
             return self.replay_from(0).await;
         }
@@ -343,7 +363,7 @@ impl Rank {
         self.cursor.forwarded(seq);
         self.last_payload = Some(self.inflight.back().expect("just pushed").payload.clone());
         if replayed {
-            counter!("kvrouted_bridge_replayed_total", "rank" => self.label.clone()).increment(1);
+            self.metrics.replayed.increment(1);
         }
     }
 
@@ -390,8 +410,7 @@ impl Rank {
         for f in failed {
             let mut backoff = Duration::from_millis(100);
             loop {
-                counter!("kvrouted_bridge_publish_retries_total", "rank" => self.label.clone())
-                    .increment(1);
+                self.metrics.retries.increment(1);
                 match publish(
                     &self.forwarder,
                     self.cfg.rank,
@@ -419,9 +438,8 @@ impl Rank {
     }
 
     fn acked(&self, seq: u64, received: Instant) {
-        counter!("kvrouted_bridge_forwarded_total", "rank" => self.label.clone()).increment(1);
-        gauge!("kvrouted_bridge_lag_seconds", "rank" => self.label.clone())
-            .set(received.elapsed().as_secs_f64());
+        self.metrics.forwarded.increment(1);
+        self.metrics.lag.set(received.elapsed().as_secs_f64());
         self.status.last_acked.store(seq, Ordering::Release);
     }
 
