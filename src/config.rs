@@ -151,7 +151,7 @@ pub fn with_router_defaults(cli: clap::Command) -> clap::Command {
     let config = RouterConfig::default();
     let policy = &config.policy;
     let duration = |ms: u64| {
-        if ms % 1000 == 0 {
+        if ms.is_multiple_of(1000) {
             format!("{}s", ms / 1000)
         } else {
             format!("{ms}ms")

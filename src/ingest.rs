@@ -160,6 +160,17 @@ impl std::fmt::Display for Reconnected {
     }
 }
 
+/// The JetStream stream that captures KV events and lifecycle messages. The daemon and the
+/// engine bridge both create it when missing, with the same settings.
+pub fn stream_config(name: &str, prefix: &str) -> stream::Config {
+    stream::Config {
+        name: name.to_string(),
+        subjects: vec![format!("{prefix}.events.>"), format!("{prefix}.workers.>")],
+        storage: stream::StorageType::File,
+        ..Default::default()
+    }
+}
+
 /// JetStream consumer loop: creates the stream and durable consumer if missing, recreates the
 /// message stream with backoff whenever it breaks (broker restart, network). After every
 /// reconnect it checks at once that the stream and consumer still exist, and recreates them if
@@ -177,12 +188,7 @@ async fn run_jetstream(
     loop {
         let result: Result<(), String> = async {
             let stream = js
-                .get_or_create_stream(stream::Config {
-                    name: settings.stream.clone(),
-                    subjects: vec![format!("{prefix}.events.>"), format!("{prefix}.workers.>")],
-                    storage: stream::StorageType::File,
-                    ..Default::default()
-                })
+                .get_or_create_stream(stream_config(&settings.stream, prefix))
                 .await
                 .map_err(|e| format!("stream {}: {e}", settings.stream))?;
             let consumer: jetstream::consumer::Consumer<pull::Config> = stream

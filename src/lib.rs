@@ -18,6 +18,8 @@
 //! - [`journal`]: the sled journal and snapshots; export for audits.
 //! - [`replay`]: re-applies a journal through the core (audit and counterfactuals).
 //! - [`sim`]: the simulator, driving the same core with simulated workers.
+//! - [`bridge`]: `kvrouted bridge`, the sidecar that makes a vLLM / SGLang / TensorRT-LLM
+//!   engine a worker (ZeroMQ KV events to JetStream, load scraped from its metrics endpoint).
 //! - [`demo`]: `kvrouted demo`, a live simulated fleet against a running daemon over NATS and
 //!   HTTP (first-run demo, staging smoke test, load generator).
 //! - [`prom`]: Prometheus metric names and recording, the rate-limited rejection log.
@@ -26,6 +28,7 @@
 
 pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wire, workers};
 
+pub mod bridge;
 pub mod config;
 pub mod daemon;
 pub mod demo;

@@ -39,6 +39,10 @@ enum Command {
     /// Run a live simulated fleet against a running daemon (NATS + HTTP), then check that the
     /// daemon accounts for everything it sent.
     Demo(kvrouted::demo::DemoArgs),
+    /// Sidecar for a vLLM / SGLang / TensorRT-LLM engine: forwards its ZeroMQ KV events to
+    /// JetStream (repairing gaps from its replay socket), publishes load samples scraped from its
+    /// Prometheus endpoint, and announces join / drain (SIGUSR1) / leave (SIGTERM).
+    Bridge(kvrouted::bridge::BridgeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -124,6 +128,15 @@ fn main() -> ExitCode {
             .context("starting the async runtime")
             .and_then(|rt| rt.block_on(kvrouted::demo::run(args)))
             .map(|()| ExitCode::SUCCESS),
+        Command::Bridge(args) => {
+            init_logging(args.log_format);
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")
+                .and_then(|rt| rt.block_on(kvrouted::bridge::run(args)))
+                .map(|()| ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,

@@ -200,7 +200,7 @@ fn recorded_run(journal: &Journal, n: u64) -> Router {
                 },
             )
             .unwrap();
-        if stamped.seq % 100 == 0 {
+        if stamped.seq.is_multiple_of(100) {
             journal
                 .write_snapshot(&Snapshot::of(&router, stamped.at_ms))
                 .unwrap();

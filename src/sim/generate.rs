@@ -216,7 +216,7 @@ pub fn shared_prefix(
         while (hash_ids.len() as u64 + 1) * bt <= input {
             hash_ids.push(fresh());
         }
-        if input % bt != 0 {
+        if !input.is_multiple_of(bt) {
             hash_ids.push(fresh());
         }
         let output = exp_draw(&mut rng, params.output_tokens as f64, 1.0) as u64;

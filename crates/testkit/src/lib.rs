@@ -13,12 +13,16 @@
 //! - [`worker`]: [`Worker`], a simulated vLLM worker publishing on NATS; [`prompt`];
 //!   [`OwnerAndOther`], the two-worker fleet most daemon tests start from.
 //! - [`poll`]: [`eventually`] and the [`DEADLINE`] every wait shares.
+//! - [`engine`]: [`engine::TestEngine`], a ZeroMQ publisher that frames, numbers, buffers and
+//!   replays KV events exactly as vLLM's and SGLang's `ZmqEventPublisher` do (feature `engine`).
 //! - [`counting_alloc`]: a global allocator that counts live heap bytes, for memory figures.
 //!   The only part without the `processes` feature (the peer benchmark uses it alone).
 
 pub mod counting_alloc;
 #[cfg(feature = "processes")]
 pub mod daemon;
+#[cfg(feature = "engine")]
+pub mod engine;
 #[cfg(feature = "processes")]
 pub mod nats;
 #[cfg(feature = "processes")]
