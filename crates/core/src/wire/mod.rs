@@ -18,6 +18,7 @@
 
 mod encode;
 mod fast;
+pub mod fuzz;
 mod kv;
 mod lifecycle;
 mod load;
