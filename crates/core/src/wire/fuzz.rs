@@ -12,8 +12,11 @@
 use super::{decode_kv_batch, decode_lifecycle, decode_load, parse_kv_headers, KvHeaders};
 use crate::input::{KvEvent, WorkerId};
 
+/// A fuzzing entry point: any bytes in, a panic only when an invariant breaks.
+pub type Target = fn(&[u8]);
+
 /// The fuzzing targets, by name: the directory names under `fuzz/corpus/`.
-pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+pub const TARGETS: [(&str, Target); 4] = [
     ("kv_batch", kv_batch),
     ("load_sample", load_sample),
     ("lifecycle", lifecycle),
