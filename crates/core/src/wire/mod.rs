@@ -19,6 +19,7 @@
 
 mod encode;
 mod fast;
+pub mod fuzz;
 mod kv;
 mod lifecycle;
 mod load;
