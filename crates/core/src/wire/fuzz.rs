@@ -65,19 +65,33 @@ pub fn load_sample(data: &[u8]) {
     }
 }
 
-/// `kv.workers.<worker>` payloads: decoding returns, whatever the bytes.
+/// `kv.workers.<worker>` payloads: an accepted message keeps only valid fields (a positive
+/// block size, an epoch of 1 to 64 characters), and each field it dropped is named.
 pub fn lifecycle(data: &[u8]) {
-    if let Ok(msg) = decode_lifecycle(data, worker()) {
+    if let Ok((msg, rejected)) = decode_lifecycle(data, worker()) {
         assert!(
             msg.block_size != Some(0),
             "an accepted block size is positive"
         );
+        assert!(
+            msg.epoch
+                .as_ref()
+                .is_none_or(|e| (1..=64).contains(&e.len())),
+            "an accepted epoch has 1 to 64 characters"
+        );
+        for r in &rejected {
+            assert!(
+                r.detail.starts_with("Lifecycle."),
+                "a rejected field is named: {}",
+                r.detail
+            );
+        }
     }
 }
 
-/// The `Kv-Seq`, `Kv-Model` and `Kv-Dp-Rank` header values, split from the input at `0xff`
-/// bytes (which no UTF-8 header value contains): an accepted sequence or rank was written in
-/// decimal digits.
+/// The `Kv-Seq`, `Kv-Model`, `Kv-Dp-Rank` and `Kv-Epoch` header values, split from the input at
+/// `0xff` bytes (which no UTF-8 header value contains): an accepted sequence or rank was written
+/// in decimal digits, an accepted epoch is 1 to 64 printable characters.
 pub fn kv_headers(data: &[u8]) {
     let mut parts = data.split(|&b| b == 0xff).map(std::str::from_utf8);
     let (Some(Ok(seq)), Some(Ok(model)), Some(Ok(rank))) =
@@ -85,16 +99,27 @@ pub fn kv_headers(data: &[u8]) {
     else {
         return;
     };
+    let epoch = match parts.next() {
+        Some(Ok(epoch)) => epoch,
+        Some(Err(_)) => return,
+        None => "",
+    };
     fn given(s: &str) -> Option<&str> {
         Some(s).filter(|s| !s.is_empty())
     }
-    if let Ok(headers) = parse_kv_headers(given(seq), given(model), given(rank)) {
+    if let Ok(headers) = parse_kv_headers(given(seq), given(model), given(rank), given(epoch)) {
         let decimal = |s: &str| s.trim().bytes().all(|b| b.is_ascii_digit());
         if headers.seq.is_some() {
             assert!(decimal(seq), "an accepted Kv-Seq is decimal digits");
         }
         if headers.dp_rank.is_some() {
             assert!(decimal(rank), "an accepted Kv-Dp-Rank is decimal digits");
+        }
+        if let Some(e) = &headers.epoch {
+            assert!(
+                (1..=64).contains(&e.len()) && e.bytes().all(|b| b.is_ascii_graphic()),
+                "an accepted Kv-Epoch is 1 to 64 printable characters: {e:?}"
+            );
         }
     }
 }
