@@ -160,10 +160,11 @@ async fn a_live_demo_fleet_is_routed_to_its_owners_and_the_daemon_lists_its_work
 
 #[tokio::test]
 async fn the_demo_exits_non_zero_naming_the_counter_when_the_daemon_does_not_apply_its_events() {
-    // The daemon keys 32-token blocks: the demo's 16-token blocks are rejected, so the stored
-    // blocks it published are never applied.
+    // The daemon fixes the demo model's blocks at 32 tokens (a join cannot change a size the
+    // operator fixed): the demo's 16-token blocks are rejected, so the stored blocks it
+    // published are never applied.
     let nats = Nats::start();
-    let daemon = Daemon::start(&nats.url(), &["--block-size", "32"]).await;
+    let daemon = Daemon::start(&nats.url(), &["--model-block-size", "demo=32"]).await;
     daemon.wait_ready().await;
     let base = format!("http://{}", daemon.http);
     let (status, _, stderr) = run_to_exit(demo(
