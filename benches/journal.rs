@@ -1,4 +1,4 @@
-//! Journal and recovery measurements (issue 4, DESIGN.md §8), in one run:
+//! Journal and recovery measurements (issue 4, docs/architecture.md, "Persistence"), in one run:
 //!
 //! 1. **Sustained journaled ingest**: typical 32-block `BlockStored` batches from 32 workers go
 //!    through the daemon's own write path (`writer::apply_journaled`: stamp, apply,

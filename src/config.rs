@@ -1,4 +1,4 @@
-//! Command-line configuration (DESIGN.md §13).
+//! Command-line configuration (docs/architecture.md, "Command line and configuration").
 //!
 //! Every `serve` flag can also come from the environment (`KVROUTED_` + the flag name in upper
 //! snake case) or a TOML file (`--config kvrouted.toml`, keys are flag names); flags win over the

@@ -1,4 +1,4 @@
-//! NATS ingest (DESIGN.md §3): KV events and lifecycle messages from a JetStream durable
+//! NATS ingest (docs/architecture.md, "Wire contract"): KV events and lifecycle messages from a JetStream durable
 //! consumer (or core NATS with `--no-jetstream`), load samples from core NATS. Each message is
 //! decoded here, outside the single writer, and handed over as a finished input.
 

@@ -1,4 +1,4 @@
-//! `kvrouted`: one binary, several subcommands (DESIGN.md §13).
+//! `kvrouted`: one binary, several subcommands (docs/architecture.md, "Command line and configuration").
 
 use std::ffi::OsString;
 use std::io::IsTerminal;

@@ -1,4 +1,4 @@
-//! Bad input on every NATS subject and HTTP endpoint (DESIGN.md §11): each is rejected with a
+//! Bad input on every NATS subject and HTTP endpoint (docs/architecture.md, "Failure and bad input"): each is rejected with a
 //! clear error (HTTP: a status and a one-line `error`) or dropped with a counted reason
 //! (`kvrouted_inputs_rejected_total{reason}`), the daemon keeps running, and nothing already
 //! applied is lost or changed.

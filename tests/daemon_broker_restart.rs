@@ -1,5 +1,5 @@
 //! The broker goes away under a running daemon and comes back on the same port with the same
-//! storage (DESIGN.md §11): routes are served from the last known state throughout, readiness
+//! storage (docs/architecture.md, "Failure and bad input"): routes are served from the last known state throughout, readiness
 //! says degraded (and stays in rotation) meanwhile, and ingest resumes on both paths afterwards:
 //! KV events through the JetStream durable consumer, load samples on core NATS.
 mod common;

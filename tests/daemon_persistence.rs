@@ -1,4 +1,4 @@
-//! Event sourcing end to end (DESIGN.md §8, §9, §11; issue 4): a real nats-server with
+//! Event sourcing end to end (docs/architecture.md: "Failure and bad input"; issue 4): a real nats-server with
 //! JetStream, the real `kvrouted` binary on a real sled data dir. The daemon is killed with
 //! SIGKILL in the middle of an event burst and stopped cleanly with SIGTERM; its journal is
 //! replayed, exported, questioned with counterfactual settings; broken data dirs are refused.

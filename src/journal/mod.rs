@@ -1,4 +1,4 @@
-//! Event sourcing on sled (DESIGN.md §8): the journal of every applied input and the snapshots
+//! Event sourcing on sled (docs/architecture.md, "Persistence"): the journal of every applied input and the snapshots
 //! that bound recovery time.
 //!
 //! Layout of the data directory (one sled database):

@@ -1,4 +1,4 @@
-//! `kvrouted simulate` (DESIGN.md §10): replays a trace against N simulated workers driven by
+//! `kvrouted simulate` (docs/architecture.md, "Simulator"): replays a trace against N simulated workers driven by
 //! the same routing core as the daemon, once per policy, and measures what each policy does to
 //! cache reuse, duplication, eviction and time to first token.
 //!

@@ -1,4 +1,4 @@
-//! Block keys (DESIGN.md §4).
+//! Block keys (docs/architecture.md, "Block keys").
 //!
 //! A prompt is cut into full blocks of `block_size` tokens; a partial tail block is not keyed.
 //! Each block's tokens hash to a *local* hash, and keys chain the locals so that a key names the
@@ -81,7 +81,7 @@ mod tests {
         assert_eq!(
             local_hash(&[1, 2, 3, 4]),
             14643705804678351452,
-            "DESIGN.md §4 test vector: tokens [1,2,3,4] hash to 14643705804678351452"
+            "the published block-key test vector: tokens [1,2,3,4] hash to 14643705804678351452"
         );
         assert_eq!(block_keys(&[1, 2, 3, 4], 4), vec![14643705804678351452]);
     }

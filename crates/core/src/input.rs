@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-/// A worker id: 1 to 128 characters from `A-Z a-z 0-9 _ - :` (DESIGN.md §3). No dots, because a
+/// A worker id: 1 to 128 characters from `A-Z a-z 0-9 _ - :` (docs/architecture.md, "Wire contract"). No dots, because a
 /// worker id is one NATS subject token.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]

@@ -1,4 +1,4 @@
-//! The router: one deterministic state machine (DESIGN.md §2).
+//! The router: one deterministic state machine (docs/architecture.md, "The picture").
 //!
 //! [`Router::apply`] folds one [`Stamped`] input into the state and returns what happened. There
 //! is no I/O, no wall clock and no ambient randomness in here: time comes with the input, and the
@@ -27,7 +27,7 @@ use crate::workers::{SeqCheck, WorkerState, Workers};
 /// Largest `dp_size` a join may declare: a larger one is rejected as a bad field.
 pub const MAX_DP_SIZE: u32 = 1024;
 
-/// Router settings besides the policy's (DESIGN.md §13). Durations are in milliseconds.
+/// Router settings besides the policy's (docs/architecture.md, "Command line and configuration"). Durations are in milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouterConfig {
     pub policy: PolicyConfig,

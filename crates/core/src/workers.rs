@@ -59,7 +59,7 @@ pub struct Worker {
     pub telemetry: Option<Telemetry>,
     /// Daemon clock of the last message of any kind from this worker (any rank).
     pub last_heard_ms: u64,
-    /// Sum of open reservations' work on this rank (DESIGN.md §6).
+    /// Sum of open reservations' work on this rank (docs/architecture.md, "Reserved work").
     pub reserved_work: u64,
     /// Number of open reservations on this rank: the request count the `legacy` baseline
     /// balances.

@@ -1,4 +1,5 @@
-//! Baseline policies, for the simulator and for comparisons (DESIGN.md §5, last paragraph).
+//! Baseline policies, for the simulator and for comparisons (docs/architecture.md, "Baseline
+//! policies").
 //!
 //! Baselines use the same decision labels: the chosen worker is an owner → `owner_hold`; owners
 //! exist but another worker was chosen → `pressure_spill` (a new copy of the prefix); no usable
@@ -11,7 +12,7 @@ use super::{
     DecisionLabel, PolicyConfig, PolicyState, RouteView, WorkerView,
 };
 
-/// Labels a baseline's pick the way DESIGN.md §5 would name it.
+/// Labels a baseline's pick with the label pressure-first would give the same situation.
 fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
     let (owners, _) = longest_match(config, view).unwrap_or_default();
     let label = if owners.contains(&worker) {

@@ -1,4 +1,4 @@
-//! Routing policies: the pressure-first longest-prefix policy of DESIGN.md §5
+//! Routing policies: the pressure-first longest-prefix policy of docs/architecture.md, "Policy"
 //! ([`pressure_first`]) and the baselines it is compared with ([`baselines`]).
 //!
 //! A policy is a pure function of a [`RouteView`] (what the router knows about each worker for
@@ -24,7 +24,7 @@ use crate::input::WorkerId;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
-    /// DESIGN.md §5: longest-prefix ownership first, replicate only under pressure.
+    /// docs/architecture.md, "Policy": longest-prefix ownership first, replicate only under pressure.
     PressureFirst,
     /// Imbalance-first: any fleet imbalance routes to the globally least-loaded worker.
     Legacy,
@@ -79,7 +79,7 @@ impl FromStr for PolicyKind {
     }
 }
 
-/// The label of a routing decision. The set is closed (DESIGN.md §5): metrics and the journal use
+/// The label of a routing decision. The set is closed (docs/architecture.md, "Decision labels"): metrics and the journal use
 /// these names verbatim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -127,7 +127,7 @@ impl fmt::Display for DecisionLabel {
     }
 }
 
-/// Policy settings (DESIGN.md §5 and §13). Durations are in milliseconds.
+/// Policy settings (docs/architecture.md, "Policy" and "Command line and configuration"). Durations are in milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyConfig {
     pub kind: PolicyKind,
@@ -325,7 +325,7 @@ pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(
 }
 
 /// Whether some worker that is not a candidate (draining, excluded) holds a usable match: the
-/// `owner_unavailable` case of DESIGN.md §5 step 7.
+/// `owner_unavailable` case of docs/architecture.md, "Policy" step 7.
 pub(crate) fn owners_unavailable(config: &PolicyConfig, view: &RouteView) -> bool {
     let min = config.match_threshold(view.keys.len());
     view.workers.iter().any(|w| !w.candidate && w.depth >= min)

@@ -1,4 +1,4 @@
-//! The pressure-first longest-prefix policy, DESIGN.md §5, step by step.
+//! The pressure-first longest-prefix policy, docs/architecture.md, "Policy", step by step.
 //!
 //! The invariant it protects: **a request stays on a worker that already holds its longest
 //! prefix unless every such owner is under pressure.** Load anywhere else in the fleet never

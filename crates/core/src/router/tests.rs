@@ -1,4 +1,4 @@
-//! Behaviour of the state machine and the pressure-first policy (DESIGN.md §5), one sentence
+//! Behaviour of the state machine and the pressure-first policy (docs/architecture.md, "Policy"), one sentence
 //! per test.
 
 use super::*;

@@ -42,7 +42,7 @@ pub fn encode_vllm_batch(ts: f64, events: &[VllmEvent], dp_rank: Option<u32>) ->
     to_bytes(&batch)
 }
 
-/// A load sample (DESIGN.md §3.2) as a map: `kv_usage, running, waiting, [max_running], ts,
+/// A load sample (docs/architecture.md, "Load samples") as a map: `kv_usage, running, waiting, [max_running], ts,
 /// [model]`; absent optionals are left out.
 pub fn encode_load(
     kv_usage: f64,

@@ -1,4 +1,4 @@
-//! Lifecycle messages (DESIGN.md §3.3): `kv.workers.<worker>`.
+//! Lifecycle messages (docs/architecture.md, "Lifecycle messages"): `kv.workers.<worker>`.
 //!
 //! A map `{op, model?, block_size?, capacity_blocks?, dp_size?, epoch?}`; unknown keys are
 //! ignored and nil counts as absent for the optional fields.

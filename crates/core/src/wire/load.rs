@@ -1,4 +1,4 @@
-//! Load samples (DESIGN.md §3.2): `kv.load.<worker>`.
+//! Load samples (docs/architecture.md, "Load samples"): `kv.load.<worker>`.
 //!
 //! A map `{kv_usage, running, waiting, max_running?, ts?, model?}`. Unknown keys are ignored so
 //! workers can add their own telemetry; nil counts as absent for the optional fields.

@@ -1,4 +1,4 @@
-//! Wire formats (DESIGN.md §3): decoders that turn NATS payloads into the core's inputs, and
+//! Wire formats (docs/architecture.md, "Wire contract"): decoders that turn NATS payloads into the core's inputs, and
 //! encoders that publish exactly what a vLLM worker would.
 //!
 //! Decoders validate everything the core relies on and reject the rest with a typed

@@ -37,7 +37,7 @@ fn stored_event_hashes_each_block_of_tokens() {
     );
     assert_eq!(
         blocks[0].local, 14643705804678351452,
-        "DESIGN.md §4 test vector"
+        "the published block-key test vector"
     );
 }
 
