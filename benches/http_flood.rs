@@ -13,6 +13,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvrouted::sim::percentile;
 use kvrouted_testkit::{free_port, nats_server_bin, wait_for_port};
 
 /// Kills the process on drop.
@@ -49,13 +50,6 @@ fn probe(addr: SocketAddr, path: &str) -> (Option<u16>, Duration) {
     };
     let result = attempt().ok();
     (result, start.elapsed())
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn summary(label: &str, probes: &[(Option<u16>, Duration)]) {

@@ -50,12 +50,9 @@ pub(crate) struct Load {
     pub(crate) body_kib: f64,
 }
 
+/// The `p` percentile of sorted nanosecond latencies, in microseconds.
 pub(crate) fn pct(sorted: &[u64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1] as f64 / 1000.0
+    kvrouted::sim::percentile(sorted, p) as f64 / 1000.0
 }
 
 /// What one load run measured: every latency (ns), errors, body bytes and the wall time.

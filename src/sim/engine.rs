@@ -727,10 +727,11 @@ fn secs_to_us(s: f64) -> u64 {
     (s * 1e6).round() as u64
 }
 
-/// Nearest-rank percentile of sorted values (0 for none).
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+/// Nearest-rank percentile of sorted values (the default, zero, for none). The one percentile
+/// of the project: the simulator, the demo and the benchmarks report with it.
+pub fn percentile<T: Copy + Default>(sorted: &[T], p: f64) -> T {
     if sorted.is_empty() {
-        return 0.0;
+        return T::default();
     }
     let rank = (p * sorted.len() as f64).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1]

@@ -57,6 +57,7 @@ use smallvec::SmallVec;
 
 use kvrouted::hashing::{chain, chain_locals};
 use kvrouted::index::OwnerIndex;
+use kvrouted::sim::percentile;
 use kvrouted::input::{
     Input, KvEvent, KvEventBatch, Medium, RouteRequest, Stamped, StoredBlock, WorkerId,
 };
@@ -875,14 +876,6 @@ struct Rep {
     mismatches: u64,
     errors: u64,
     notes: String,
-}
-
-fn percentile(sorted: &[u64], p: f64) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
 }
 
 fn replay<S: Subject>(stream: &Stream) -> Rep {
