@@ -218,6 +218,41 @@ impl NatsArgs {
         Ok(options)
     }
 
+    /// Options for a long-running process named `name`: these credentials and TLS, retrying the
+    /// first connect and every reconnect with backoff for as long as it runs. Refusals that
+    /// retrying will not fix (credentials, TLS, permissions) are clear, rate-limited error lines
+    /// ([`RefusalLog`]); `on_connection` hears every connect (`true`) and disconnect (`false`).
+    pub fn reconnecting_options(
+        &self,
+        name: &str,
+        on_connection: impl Fn(bool) + Send + Sync + 'static,
+    ) -> anyhow::Result<ConnectOptions> {
+        let refusals = std::sync::Arc::new(RefusalLog::default());
+        let on_connection = std::sync::Arc::new(on_connection);
+        Ok(self
+            .connect_options()?
+            .name(name)
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .event_callback(move |event| {
+                let refusals = refusals.clone();
+                let on_connection = on_connection.clone();
+                async move {
+                    if refusals.record(&event) {
+                        return;
+                    }
+                    match event {
+                        async_nats::Event::Connected => {
+                            on_connection(true);
+                            tracing::info!("NATS connected");
+                        }
+                        async_nats::Event::Disconnected => on_connection(false),
+                        other => tracing::info!("NATS: {other}"),
+                    }
+                }
+            }))
+    }
+
     /// Connects with `options` (from [`NatsArgs::connect_options`], plus the caller's settings)
     /// to the configured servers.
     pub async fn connect(&self, options: ConnectOptions) -> anyhow::Result<async_nats::Client> {

@@ -36,7 +36,7 @@ use clap::Args;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::input::{LifecycleOp, WorkerId};
-use crate::nats_options::{NatsArgs, RefusalLog};
+use crate::nats_options::NatsArgs;
 use crate::wire::{encode_lifecycle_message, LifecycleMessage};
 use cursor::{Epochs, RankCursor};
 use load::Engine;
@@ -311,37 +311,16 @@ impl Health {
 
 /// A NATS client with the operator's credentials and TLS that keeps retrying (also the first
 /// connect) and keeps `connected` up to date. Returns at once: publishes wait in the client
-/// until the broker answers. Refusals that retrying will not fix (bad credentials, TLS) are
-/// clear, rate-limited error lines.
+/// until the broker answers.
 async fn connect_nats(
     nats: &NatsArgs,
     connected: Arc<AtomicBool>,
 ) -> anyhow::Result<async_nats::Client> {
-    let refusals = Arc::new(RefusalLog::default());
-    let options = nats
-        .connect_options()?
-        .name("kvrouted-bridge")
-        .retry_on_initial_connect()
-        .max_reconnects(None)
-        .event_callback(move |event| {
-            let connected = connected.clone();
-            let refusals = refusals.clone();
-            async move {
-                if refusals.record(&event) {
-                    return;
-                }
-                match event {
-                    async_nats::Event::Connected => {
-                        connected.store(true, Ordering::Release);
-                        tracing::info!("NATS connected");
-                    }
-                    async_nats::Event::Disconnected => {
-                        connected.store(false, Ordering::Release);
-                        tracing::warn!("NATS disconnected; reconnecting with backoff");
-                    }
-                    other => tracing::info!("NATS: {other}"),
-                }
-            }
-        });
+    let options = nats.reconnecting_options("kvrouted-bridge", move |up| {
+        connected.store(up, Ordering::Release);
+        if !up {
+            tracing::warn!("NATS disconnected; reconnecting with backoff");
+        }
+    })?;
     nats.connect(options).await
 }

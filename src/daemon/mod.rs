@@ -14,7 +14,6 @@ use crate::http::{self, AppState};
 use crate::ingest::{self, IngestSettings};
 use crate::input::Input;
 use crate::journal::Journal;
-use crate::nats_options::RefusalLog;
 use crate::prom;
 use crate::replay::replay;
 use crate::router::{Router, RouterConfig};
@@ -167,9 +166,21 @@ fn reload_tokens_on_sighup(tokens: Option<Arc<ApiTokens>>) -> anyhow::Result<()>
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let server_settings = http_server_settings(&args)?;
-    let nats_options = args.nats.connect_options()?;
-    let prometheus = prom::install()?;
     let status = Arc::new(Status::default());
+    // Credentials and TLS files are read now: a bad one is an error before anything starts.
+    let events_status = status.clone();
+    let nats_options = args
+        .nats
+        .reconnecting_options("kvrouted", move |connected| {
+            events_status.on_nats_connected(connected);
+            if !connected {
+                metrics::counter!("kvrouted_nats_reconnects_total").increment(1);
+                tracing::warn!(
+                    "NATS disconnected; reconnecting with backoff, routing on the last known state"
+                );
+            }
+        })?;
+    let prometheus = prom::install()?;
     let config = args.router_config();
     reload_tokens_on_sighup(server_settings.tokens.clone())?;
 
@@ -193,34 +204,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     // NATS: connect in the background (meanwhile recovery runs) and keep retrying; routes are
     // served while it is down.
-    let events_status = status.clone();
-    let refusals = Arc::new(RefusalLog::default());
-    let client = nats_options
-        .name("kvrouted")
-        .retry_on_initial_connect()
-        .max_reconnects(None)
-        .event_callback(move |event| {
-            let status = events_status.clone();
-            let refusals = refusals.clone();
-            async move {
-                if refusals.record(&event) {
-                    return;
-                }
-                match event {
-                    async_nats::Event::Connected => {
-                        status.on_nats_connected(true);
-                        tracing::info!("NATS connected");
-                    }
-                    async_nats::Event::Disconnected => {
-                        status.on_nats_connected(false);
-                        metrics::counter!("kvrouted_nats_reconnects_total").increment(1);
-                        tracing::warn!("NATS disconnected; reconnecting with backoff, routing on the last known state");
-                    }
-                    other => tracing::info!("NATS: {other}"),
-                }
-            }
-        });
-    let client = args.nats.connect(client).await?;
+    let client = args.nats.connect(nats_options).await?;
     let recovered = {
         let args = args.clone();
         let config = config.clone();
