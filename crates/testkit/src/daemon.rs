@@ -110,7 +110,7 @@ impl Daemon {
             env: Vec::new(),
             pass_http_addr: true,
             _dir: Some(dir),
-            client: reqwest::Client::new(),
+            client: fresh_connections().build().unwrap(),
             scheme: "http",
             ca_pem: None,
             token: None,
@@ -131,7 +131,7 @@ impl Daemon {
     }
 
     fn rebuild_client(&mut self) {
-        let mut builder = reqwest::Client::builder();
+        let mut builder = fresh_connections();
         if let Some(ca) = &self.ca_pem {
             builder = builder
                 .tls_built_in_root_certs(false)
@@ -477,4 +477,11 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill9();
     }
+}
+
+/// A client that opens a connection per request: the daemon closes idle connections after
+/// `--http-idle-timeout` (short in some tests), and a pooled connection it just closed would
+/// fail the next request for no reason of the test's.
+fn fresh_connections() -> reqwest::ClientBuilder {
+    reqwest::Client::builder().pool_max_idle_per_host(0)
 }
