@@ -23,8 +23,12 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
+    setup_with(LIMITS).await
+}
+
+async fn setup_with(flags: &[&str]) -> Setup {
     let nats = Nats::start();
-    let daemon = Daemon::start(&nats.url(), LIMITS).await;
+    let daemon = Daemon::start(&nats.url(), flags).await;
     daemon.wait_ready().await;
     let OwnerAndOther { owner, tokens, .. } =
         OwnerAndOther::publish(&daemon, &nats.url(), 0.4, 0.2).await;
@@ -493,4 +497,59 @@ async fn a_lifecycle_message_with_a_bad_field_is_applied_without_it_and_the_fiel
         "a drain keeps the worker's ownership"
     );
     assert!(s.daemon.is_running(), "the daemon keeps running");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_prompt_tokens_or_exclude_list_is_refused_before_it_reaches_the_router() {
+    // Default body limits, so the exclude list fits in the body and is refused for its length.
+    let s = setup_with(&["--max-prompt-tokens", "256"]).await;
+    let d = &s.daemon;
+    assert_prefix_routes_to_owner(&s, "before the requests").await;
+    let before = state(d).await;
+    // Would wrap reserved work, or keep every cold miss off the worker for the reservation's
+    // lifetime.
+    for prompt_tokens in [
+        json!(18446744073709547520u64),
+        json!(1_000_000_000_000_000_000u64),
+    ] {
+        let (status, body) = d
+            .post(
+                "/v1/route",
+                &json!({"block_keys": [1], "prompt_tokens": prompt_tokens}),
+            )
+            .await;
+        assert_eq!(
+            status, 413,
+            "prompt_tokens {prompt_tokens} is refused: {body}"
+        );
+        assert!(
+            body["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("--max-prompt-tokens")),
+            "the error names the limit: {body}"
+        );
+    }
+    let excluded: Vec<String> = (0..1025).map(|i| format!("w{i}")).collect();
+    let (status, body) = d
+        .post(
+            "/v1/route",
+            &json!({"tokens": s.tokens, "exclude": excluded}),
+        )
+        .await;
+    assert_eq!(
+        status, 400,
+        "an exclude list over 1024 workers is refused: {body}"
+    );
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("at most 1024")),
+        "the error names the limit: {body}"
+    );
+    assert_eq!(
+        state(d).await,
+        before,
+        "refused routes reserve nothing and change nothing"
+    );
+    assert_prefix_routes_to_owner(&s, "after the requests").await;
 }

@@ -196,6 +196,10 @@ struct RouteBody {
 
 const MAX_REQUEST_ID: usize = 256;
 
+/// Most workers one route may exclude. A gateway excludes the few workers that just failed a
+/// request; a longer list is a mistake or an attack, and each route's work must stay bounded.
+pub const MAX_EXCLUDE: usize = 1024;
+
 /// Validates a route body and hashes its tokens into block keys.
 fn route_request(state: &AppState, body: RouteBody) -> Result<RouteRequest, ApiError> {
     // Each model's own block size, so the prompt is keyed as its KV events are.
@@ -229,6 +233,12 @@ fn route_request(state: &AppState, body: RouteBody) -> Result<RouteRequest, ApiE
                 return Err(too_large(tokens));
             }
             let prompt = body.prompt_tokens.unwrap_or(tokens as u64);
+            // The stated size counts as reserved work: bounded like a token list, so no value
+            // can wrap the arithmetic or steer routes away from a worker for the reservation's
+            // lifetime.
+            if prompt > state.max_prompt_tokens as u64 {
+                return Err(too_large(usize::try_from(prompt).unwrap_or(usize::MAX)));
+            }
             (keys, prompt)
         }
         _ => {
@@ -246,6 +256,15 @@ fn route_request(state: &AppState, body: RouteBody) -> Result<RouteRequest, ApiE
         return Err(bad_request(
             RejectReason::InvalidField,
             format!("request_id longer than {MAX_REQUEST_ID} bytes"),
+        ));
+    }
+    if body.exclude.len() > MAX_EXCLUDE {
+        return Err(bad_request(
+            RejectReason::InvalidField,
+            format!(
+                "exclude lists {} workers; at most {MAX_EXCLUDE} may be excluded",
+                body.exclude.len()
+            ),
         ));
     }
     let exclude = body

@@ -10,7 +10,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::index::{ApproxIndex, IndexStats, LowerTiers, Namespaces, NsId, OwnerIndex, Slot};
@@ -813,6 +813,9 @@ impl Router {
         let max_age = self.config.policy.telemetry_max_age_ms;
         let policy_config = &self.config.policy;
         let block_size = self.block_size_of(req.model.as_deref());
+        // Looked up once per worker rank: a set, so the cost of a route does not grow with the
+        // product of the fleet and the exclude list.
+        let excluded: FxHashSet<&WorkerId> = req.exclude.iter().collect();
         // One candidate per worker rank, each with its own ownership, load and reserved work.
         let views: Vec<WorkerView> = self
             .state
@@ -823,7 +826,7 @@ impl Router {
                 id: &w.id,
                 dp_rank: w.dp_rank,
                 candidate: w.state == WorkerState::Active
-                    && !req.exclude.contains(&w.id)
+                    && !excluded.contains(&w.id)
                     && serves_model(w.model.as_deref(), req.model.as_deref()),
                 depth: depths[slot as usize],
                 host_depth: host_depths[slot as usize],
