@@ -27,8 +27,6 @@ mod value;
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_engines;
 
 pub use encode::{
     encode_lifecycle, encode_lifecycle_message, encode_load, encode_vllm_batch, LifecycleMessage,

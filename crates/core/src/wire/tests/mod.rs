@@ -10,6 +10,8 @@ use proptest::prelude::*;
 use rmpv::Value;
 use serde_json::json;
 
+use super::fast::decode_vllm_array;
+use super::kv::decode_tolerant;
 use super::*;
 use crate::hashing::{block_keys, local_hash};
 use crate::input::{
@@ -17,6 +19,9 @@ use crate::input::{
 };
 
 mod batch;
+mod engine_fields;
+mod engine_hashes;
+mod engine_layouts;
 mod events;
 mod fixtures;
 mod headers;
@@ -43,7 +48,16 @@ fn mpv(v: &Value) -> Vec<u8> {
     out
 }
 
+/// Decodes with no headers, and checks that the single-pass path, when it takes the payload,
+/// decodes exactly as the tolerant one.
 fn decode(payload: &[u8]) -> Result<KvEventBatch, Rejection> {
+    if let Some(fast) = decode_vllm_array(payload) {
+        assert_eq!(
+            decode_tolerant(payload).ok(),
+            Some(fast),
+            "the single-pass decoder agrees with the tolerant one"
+        );
+    }
     decode_kv_batch(payload, worker(), KvHeaders::default())
 }
 
@@ -114,4 +128,42 @@ fn fixture_dir() -> PathBuf {
 fn read_fixture(file: &str) -> Vec<u8> {
     let path = fixture_dir().join(file);
     std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+}
+
+/// `[ts, [event], nil]`: vLLM's array batch of one event.
+fn array_batch_of(event: Value) -> Vec<u8> {
+    mpv(&Value::Array(vec![
+        Value::F64(1.5),
+        Value::Array(vec![event]),
+        Value::Nil,
+    ]))
+}
+
+/// A positional `BlockStored` of one block of tokens `[1, 2]` (block size 2) with `hash`, then
+/// `rest` from `lora_id` on.
+fn stored_array(hash: Value, rest: Vec<Value>) -> Value {
+    let mut items = vec![
+        Value::from("BlockStored"),
+        Value::Array(vec![hash]),
+        Value::Nil,
+        Value::Array(vec![Value::from(1), Value::from(2)]),
+        Value::from(2),
+    ];
+    items.extend(rest);
+    Value::Array(items)
+}
+
+fn engine_hash_of(payload: &[u8]) -> u64 {
+    match only_event(decode_ok(payload)) {
+        KvEvent::Stored { blocks, .. } => blocks[0].engine_hash,
+        KvEvent::Removed { engine_hashes, .. } => engine_hashes[0],
+        other => panic!("expected a store or removal, got {other:?}"),
+    }
+}
+
+/// vLLM's integer mode: `int.from_bytes(digest, "big") & (2**64 - 1)`.
+fn vllm_int_mode(digest: &[u8]) -> u64 {
+    digest
+        .iter()
+        .fold(0u128, |acc, &b| ((acc << 8) | b as u128) & u64::MAX as u128) as u64
 }
