@@ -485,3 +485,34 @@ impl Drop for Daemon {
 fn fresh_connections() -> reqwest::ClientBuilder {
     reqwest::Client::builder().pool_max_idle_per_host(0)
 }
+
+/// Runs `kvrouted ARGS` to its exit; returns (success, exit code, stdout, stderr).
+pub fn kvrouted<I, S>(args: I) -> (bool, Option<i32>, String, String)
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut cmd = Command::new(kvrouted_bin());
+    cmd.args(args).env("RUST_LOG", "info");
+    let (status, stdout, stderr) = run_to_exit(cmd);
+    (status.success(), status.code(), stdout, stderr)
+}
+
+/// The log without ANSI colour codes.
+pub fn plain(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ params final-byte
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

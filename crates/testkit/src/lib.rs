@@ -33,7 +33,7 @@ pub mod processes;
 pub mod worker;
 
 #[cfg(feature = "processes")]
-pub use daemon::{kvrouted_bin, run_to_exit, Daemon};
+pub use daemon::{kvrouted, kvrouted_bin, plain, run_to_exit, Daemon};
 #[cfg(feature = "processes")]
 pub use nats::Nats;
 #[cfg(feature = "processes")]
