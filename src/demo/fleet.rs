@@ -6,8 +6,7 @@
 //! prefill, completions, load samples) in microseconds since the start, fired when the wall
 //! clock reaches them, plus the daemon's HTTP replies as they come back.
 
-use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
@@ -18,6 +17,7 @@ use super::summary::Summary;
 use super::workload::Workload;
 use crate::hashing::{block_keys, local_hashes};
 use crate::input::{LifecycleOp, WorkerId};
+use crate::sim::timeline::Timeline;
 use crate::sim::worker::{engine_hash, Need, SimWorker};
 use crate::wire::VllmEvent;
 
@@ -58,30 +58,6 @@ enum Ev {
     PrefillDone(usize),
     Finish(usize),
     Load(usize),
-}
-
-#[derive(Debug)]
-struct Scheduled {
-    at_us: u64,
-    order: u64,
-    ev: Ev,
-}
-
-impl PartialEq for Scheduled {
-    fn eq(&self, other: &Self) -> bool {
-        (self.at_us, self.order) == (other.at_us, other.order)
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Scheduled {
-    fn cmp(&self, other: &Self) -> Ordering {
-        (other.at_us, other.order).cmp(&(self.at_us, self.order))
-    }
 }
 
 /// A request from its route to its completion.
@@ -125,8 +101,7 @@ pub struct Fleet {
     publisher: Publisher,
     gateway: Gateway,
     start: Instant,
-    heap: BinaryHeap<Scheduled>,
-    order: u64,
+    timeline: Timeline<Ev>,
     requests: HashMap<usize, Request>,
     next_request: usize,
     replies_tx: mpsc::UnboundedSender<Reply>,
@@ -178,8 +153,7 @@ impl Fleet {
             publisher,
             gateway,
             start: Instant::now(),
-            heap: BinaryHeap::new(),
-            order: 0,
+            timeline: Timeline::default(),
             requests: HashMap::new(),
             next_request: 0,
             replies_tx,
@@ -210,12 +184,7 @@ impl Fleet {
     }
 
     fn schedule(&mut self, at_us: u64, ev: Ev) {
-        self.order += 1;
-        self.heap.push(Scheduled {
-            at_us,
-            order: self.order,
-            ev,
-        });
+        self.timeline.schedule(at_us, ev);
     }
 
     /// Announces the workers (`join`, then a first load sample each).
@@ -272,9 +241,9 @@ impl Fleet {
         let (mut routes_before, mut printed_at) = (0, Instant::now());
         let why = loop {
             let next = self
-                .heap
-                .peek()
-                .map(|s| self.start + Duration::from_micros(s.at_us));
+                .timeline
+                .next_at_us()
+                .map(|at_us| self.start + Duration::from_micros(at_us));
             tokio::select! {
                 why = &mut stop => break why,
                 reply = self.replies.recv() => {
@@ -298,8 +267,7 @@ impl Fleet {
 
     async fn fire_due(&mut self) -> anyhow::Result<()> {
         let now = self.now_us();
-        while self.heap.peek().is_some_and(|s| s.at_us <= now) {
-            let Scheduled { at_us, ev, .. } = self.heap.pop().expect("peeked");
+        while let Some((at_us, ev)) = self.timeline.pop_due(now) {
             match ev {
                 Ev::Open { pos, pass } => {
                     let (next_pos, next_pass) = if pos + 1 < self.workload.open.len() {
@@ -553,7 +521,7 @@ impl Fleet {
     /// daemon's view ends equal to the workers' caches; every reservation is released; then it
     /// waits (up to `deadline`) for the daemon's replies and the broker's acks.
     pub async fn wind_down(&mut self, deadline: Duration) -> anyhow::Result<()> {
-        self.heap.clear();
+        self.timeline.clear();
         self.stopping = true;
         let until = tokio::time::Instant::now() + deadline;
         let mut ids: Vec<usize> = self.requests.keys().copied().collect();

@@ -8,14 +8,14 @@
 //! broken by the order they were scheduled in, so a run is a pure function of the trace, the
 //! configuration and the seed.
 
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::BTreeMap;
 
 use anyhow::{anyhow, bail};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
+use super::timeline::Timeline;
 use super::trace::{ratio, Trace};
 use super::worker::{Need, SimWorker};
 use crate::input::{
@@ -169,31 +169,6 @@ impl Ev {
     }
 }
 
-/// A scheduled event; the heap pops the earliest time, then the earliest scheduled.
-#[derive(Debug)]
-struct Scheduled {
-    at_us: u64,
-    order: u64,
-    ev: Ev,
-}
-
-impl PartialEq for Scheduled {
-    fn eq(&self, other: &Self) -> bool {
-        (self.at_us, self.order) == (other.at_us, other.order)
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Scheduled {
-    fn cmp(&self, other: &Self) -> Ordering {
-        (other.at_us, other.order).cmp(&(self.at_us, self.order))
-    }
-}
-
 #[derive(Debug, Clone, Default)]
 struct ReqState {
     arrival_us: u64,
@@ -218,8 +193,7 @@ struct Sim<'a> {
     router: Router,
     seq: u64,
     now_us: u64,
-    order: u64,
-    heap: BinaryHeap<Scheduled>,
+    timeline: Timeline<Ev>,
     /// Arrivals, completions and deliveries still in the heap.
     pending: u64,
     workers: Vec<SimWorker>,
@@ -295,8 +269,7 @@ pub fn simulate(
         router: Router::new(router_config),
         seq,
         now_us: 0,
-        order: 0,
-        heap: BinaryHeap::new(),
+        timeline: Timeline::default(),
         pending: 0,
         workers,
         worker_of,
@@ -340,12 +313,7 @@ impl Sim<'_> {
         if !ev.periodic() {
             self.pending += 1;
         }
-        self.order += 1;
-        self.heap.push(Scheduled {
-            at_us,
-            order: self.order,
-            ev,
-        });
+        self.timeline.schedule(at_us, ev);
     }
 
     fn start(&mut self, rng: &mut ChaCha8Rng) {
@@ -376,7 +344,7 @@ impl Sim<'_> {
 
     fn run(&mut self) -> anyhow::Result<()> {
         let total = self.trace.requests.len() as u64;
-        while let Some(Scheduled { at_us, ev, .. }) = self.heap.pop() {
+        while let Some((at_us, ev)) = self.timeline.pop() {
             debug_assert!(at_us >= self.now_us, "time never runs backwards");
             self.now_us = at_us;
             if !ev.periodic() {

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod generate;
 pub mod plot;
 pub mod report;
+pub(crate) mod timeline;
 pub mod trace;
 pub(crate) mod worker;
 
