@@ -1,0 +1,361 @@
+//! kvrouted's index side by side with the two public Rust KV indexers (issue 6):
+//! `dynamo-kv-router`'s `RadixTree` and `kv-index`'s `ChainIndex`, on one KV event stream.
+//!
+//! Run: `cargo bench --bench peers` (release; about a minute on 2 cores). Options, after `--`:
+//! `--trace PATH` (or env `PEERS_TRACE`; default `../shared/traces/conversation_trace.jsonl`
+//! relative to the crate root), `--dup N` (default 8), `--capacity BLOCKS` (default 4096),
+//! `--workers 16,256`, `--reps N` (default 5), `--requests N` (first N trace lines only),
+//! `--only kvrouted,kv-index` (a subset of the indexes, e.g. to profile one).
+//!
+//! # The stream (precomputed once per worker count, then replayed through every index)
+//!
+//! - The Mooncake trace's `hash_ids` (512-token blocks; equal ids at the same position are the
+//!   same prefix) are replayed `dup` times with disjoint id spaces, the copies interleaved request
+//!   by request: `dup` tenants with the trace's shape, so the index is large enough that fixed
+//!   costs do not dominate the memory figure. A block's content hash and its engine hash are two
+//!   independent 64-bit mixes of its (tenant, id).
+//! - Each request is first looked up (every index must answer, per worker, how many leading
+//!   blocks it holds). It then goes to a worker by a fixed rule: the lowest-numbered worker with
+//!   the deepest match if that match is at least 2 blocks (deeper than the tenant's shared first
+//!   block), otherwise the next worker round robin.
+//! - That worker holds a per-worker LRU of `capacity` blocks (the request is truncated to it).
+//!   Its held prefix is touched; blocks are evicted least recently used first until the new
+//!   blocks fit, published as one `BlockRemoved` with their engine hashes; the new blocks are
+//!   published as one `BlockStored` whose parent is the last held block. Within a request a block
+//!   counts as more recently used than the blocks after it (vLLM frees a request's blocks tail
+//!   first), so a worker's holdings are always whole prefixes and evictions take leaves.
+//! - The generator tracks who holds what, so every lookup has a known answer: a fingerprint of
+//!   the (worker, depth) pairs. Every index's answer to every lookup is checked against it.
+//!
+//! # What is timed
+//!
+//! Each operation is timed on its own (`Instant` around the call; the timer's own cost is
+//! printed). Each index receives its native input, built before the timer starts. kvrouted's
+//! lookups include chaining the content hashes into its block keys, 16 at a time ahead of the
+//! walk (what a gateway that sends `tokens` costs it), stopping at the first block no worker
+//! continues, as the peers stop walking content hashes. Result shapes are each API's own:
+//! kvrouted and kv-index write depths into a caller's buffer (`OwnerIndex::walk`,
+//! `ChainIndex::score_into`), dynamo returns a map (`RadixTree::find_matches`), whose drop is
+//! timed too. Memory is the counting allocator's live bytes held by the index after the replay,
+//! per (worker, block) entry resident at the end.
+//!
+//! Two diagnostic rows follow. `kvrouted-keys` is kvrouted's index with the block keys chained
+//! before the clock starts (what a gateway sending `block_keys` saves it). `kvrouted-router`
+//! replays the same stream through kvrouted's whole state machine
+//! (`Router::apply`): events as KV event batches, lookups as full route decisions (policy,
+//! reservations, decision record; approximate ownership disabled with a zero TTL so the answers
+//! stay comparable, checked by the decision's matched depth). Neither is equivalent work to the
+//! three index rows; the second shows what the daemon's single writer pays per input.
+
+mod subjects;
+mod workload;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use kvrouted::sim::percentile;
+use subjects::*;
+use workload::*;
+
+// ---------------------------------------------------------------------------------------------
+// Counting allocator: live heap bytes, for the memory figures.
+
+use kvrouted_testkit::counting_alloc::{self, Counting};
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn live() -> usize {
+    counting_alloc::live_bytes()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Options.
+
+struct Options {
+    trace: PathBuf,
+    dup: u64,
+    capacity: usize,
+    workers: Vec<usize>,
+    reps: usize,
+    requests: Option<usize>,
+    /// Only these indexes (for profiling one of them).
+    only: Option<Vec<String>>,
+}
+
+fn options() -> Options {
+    let default_trace = std::env::var("PEERS_TRACE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../../shared/traces/conversation_trace.jsonl")
+        });
+    let mut o = Options {
+        trace: default_trace,
+        dup: 8,
+        capacity: 4096,
+        workers: vec![16, 256],
+        reps: 5,
+        requests: None,
+        only: None,
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < args.len() {
+        let value = args.get(i + 1).cloned().unwrap_or_default();
+        let num = |v: &str| -> usize {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{}: expected a number, got {v:?}", args[i]))
+        };
+        match args[i].as_str() {
+            "--trace" => o.trace = PathBuf::from(&value),
+            "--dup" => o.dup = num(&value) as u64,
+            "--capacity" => o.capacity = num(&value),
+            "--reps" => o.reps = num(&value),
+            "--requests" => o.requests = Some(num(&value)),
+            "--workers" => o.workers = value.split(',').map(num).collect(),
+            "--only" => o.only = Some(value.split(',').map(str::to_owned).collect()),
+            // `cargo bench` passes `--bench`; anything else unknown is ignored the same way.
+            _ => {
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    assert!(o.dup >= 1 && o.capacity >= 1 && o.reps >= 1, "bad options");
+    assert!(
+        o.workers.iter().all(|&n| (1..=1024).contains(&n)),
+        "workers: 1 to 1024 (kv-index's limit)"
+    );
+    o
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replay and report.
+
+struct Rep {
+    events_per_s: f64,
+    lookups_per_s: f64,
+    p50_ns: u64,
+    p99_ns: u64,
+    bytes: usize,
+    mismatches: u64,
+    errors: u64,
+    notes: String,
+}
+
+fn replay<S: Subject>(stream: &Stream) -> Rep {
+    let mut latencies = Vec::with_capacity(stream.lookups);
+    let mut depth = vec![0u32; stream.workers];
+    let mut mismatches = 0u64;
+    let mut first_mismatch = None;
+    let mut event_ns = 0u64;
+    let before = live();
+    let mut subject = S::new(stream.workers);
+    for (n, op) in stream.ops.iter().enumerate() {
+        match *op {
+            Op::Lookup {
+                start,
+                len,
+                expect,
+                max_depth,
+            } => {
+                depth.fill(0);
+                let locals = &stream.locals[start as usize..(start + len) as usize];
+                let (ns, answer) = subject.lookup(locals, &mut depth);
+                latencies.push(ns);
+                let ok = match answer {
+                    Answer::Depths => {
+                        let got = fingerprint(
+                            depth
+                                .iter()
+                                .enumerate()
+                                .filter(|(_, &d)| d > 0)
+                                .map(|(w, &d)| (w as u32, d)),
+                        );
+                        got == expect
+                    }
+                    Answer::MaxDepth(d) => d == max_depth,
+                };
+                if !ok {
+                    mismatches += 1;
+                    first_mismatch.get_or_insert(n);
+                }
+            }
+            Op::Store {
+                worker,
+                start,
+                skip,
+                len,
+            } => {
+                let (from, to) = ((start + skip) as usize, (start + len) as usize);
+                let parent = (skip > 0).then(|| stream.engines[from - 1]);
+                event_ns += subject.store(
+                    worker,
+                    parent,
+                    &stream.locals[from..to],
+                    &stream.engines[from..to],
+                );
+            }
+            Op::Remove { worker, start, len } => {
+                let hashes = &stream.removed[start as usize..(start + len) as usize];
+                event_ns += subject.remove(worker, hashes);
+            }
+        }
+    }
+    let bytes = live().saturating_sub(before);
+    let errors = subject.errors();
+    let mut notes = subject.notes();
+    if let Some(n) = first_mismatch {
+        notes.push_str(&format!(" first_mismatch_op={n}"));
+    }
+    drop(subject);
+    let lookup_ns: u64 = latencies.iter().sum();
+    latencies.sort_unstable();
+    Rep {
+        events_per_s: (stream.stored_blocks + stream.removed_blocks) as f64
+            / (event_ns as f64 / 1e9),
+        lookups_per_s: stream.lookups as f64 / (lookup_ns as f64 / 1e9),
+        p50_ns: percentile(&latencies, 0.50),
+        p99_ns: percentile(&latencies, 0.99),
+        bytes,
+        mismatches,
+        errors,
+        notes,
+    }
+}
+
+fn median_f(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn median_u(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+const SUBJECTS: [&str; 5] = [
+    "kvrouted",
+    "dynamo-kv-router",
+    "kv-index",
+    "kvrouted-router",
+    "kvrouted-keys",
+];
+
+fn run_subject(name: &str, stream: &Stream) -> Rep {
+    match name {
+        "kvrouted" => replay::<Kvrouted<false>>(stream),
+        "kvrouted-keys" => replay::<Kvrouted<true>>(stream),
+        "dynamo-kv-router" => replay::<Dynamo>(stream),
+        "kv-index" => replay::<KvIndex>(stream),
+        "kvrouted-router" => replay::<FullRouter>(stream),
+        other => unreachable!("{other}"),
+    }
+}
+
+/// The empty interval subtracted from every measurement, in ns.
+fn timer_floor_ns() -> f64 {
+    let c = clock();
+    c.floor as f64 * c.ns_per_tick
+}
+
+fn main() {
+    let started = Instant::now();
+    let o = options();
+    let trace = load_trace(&o.trace, o.requests);
+    println!(
+        "trace {} ({} requests{}), dup {}, capacity {} blocks/worker, reps {}, timer floor {:.0} ns subtracted per op; load average {}",
+        o.trace.display(),
+        trace.len(),
+        o.requests.map_or(String::new(), |n| format!(", first {n}")),
+        o.dup,
+        o.capacity,
+        o.reps,
+        timer_floor_ns(),
+        loadavg()
+    );
+    let mut json_rows = Vec::new();
+    for &workers in &o.workers {
+        let t = Instant::now();
+        let stream = generate(&trace, workers, o.capacity, o.dup);
+        println!(
+            "\n{workers} workers: {} lookups ({:.1}% hit, mean deepest match {:.1} blocks), {} stored + {} removed block events, {} (worker, block) entries / {} distinct blocks resident at the end (generated in {:.1} s)",
+            stream.lookups,
+            100.0 * stream.hits as f64 / stream.lookups as f64,
+            stream.mean_max_depth,
+            stream.stored_blocks,
+            stream.removed_blocks,
+            stream.resident,
+            stream.distinct,
+            t.elapsed().as_secs_f64()
+        );
+        let chosen = |name: &str| {
+            o.only
+                .as_ref()
+                .is_none_or(|only| only.iter().any(|n| n == name))
+        };
+        let mut reps: Vec<Vec<Rep>> = SUBJECTS.iter().map(|_| Vec::new()).collect();
+        for rep in 0..o.reps {
+            // Rotate the order so no index always runs first (cold caches) or last.
+            for k in 0..SUBJECTS.len() {
+                let i = (k + rep) % SUBJECTS.len();
+                if chosen(SUBJECTS[i]) {
+                    reps[i].push(run_subject(SUBJECTS[i], &stream));
+                }
+            }
+        }
+        println!(
+            "{:<18} {:>13} {:>13} {:>9} {:>9} {:>12} {:>10}  notes",
+            "index", "events/s", "lookups/s", "p50 ns", "p99 ns", "bytes/entry", "mismatch"
+        );
+        for (i, name) in SUBJECTS.iter().enumerate() {
+            let r = &reps[i];
+            if r.is_empty() {
+                continue;
+            }
+            let events = median_f(r.iter().map(|x| x.events_per_s).collect());
+            let lookups = median_f(r.iter().map(|x| x.lookups_per_s).collect());
+            let p50 = median_u(r.iter().map(|x| x.p50_ns).collect());
+            let p99 = median_u(r.iter().map(|x| x.p99_ns).collect());
+            let bytes = median_u(r.iter().map(|x| x.bytes as u64).collect());
+            let per_entry = bytes as f64 / stream.resident.max(1) as f64;
+            let per_distinct = bytes as f64 / stream.distinct.max(1) as f64;
+            let mismatches = r.iter().map(|x| x.mismatches).max().unwrap_or(0);
+            let errors = r.iter().map(|x| x.errors).max().unwrap_or(0);
+            println!(
+                "{name:<18} {events:>13.0} {lookups:>13.0} {p50:>9} {p99:>9} {per_entry:>12.1} {mismatches:>10}  {} errors={errors} bytes/distinct={per_distinct:.1} total_bytes={bytes}",
+                r[0].notes
+            );
+            if mismatches > 0 || errors > 0 {
+                println!("  WARNING: {name} disagreed with the expected answers or refused events: its figures are not comparable");
+            }
+            json_rows.push(format!(
+                "{{\"index\":\"{name}\",\"workers\":{workers},\"events_per_s\":{events:.0},\"lookups_per_s\":{lookups:.0},\"lookup_p50_ns\":{p50},\"lookup_p99_ns\":{p99},\"bytes_per_entry\":{per_entry:.1},\"bytes_per_distinct_block\":{per_distinct:.1},\"resident_entries\":{},\"mismatches\":{mismatches},\"errors\":{errors}}}",
+                stream.resident
+            ));
+        }
+    }
+    println!(
+        "\nfinished in {:.1} s; load average {}",
+        started.elapsed().as_secs_f64(),
+        loadavg()
+    );
+    println!(
+        "{{\"bench\":\"peers\",\"trace\":\"{}\",\"requests\":{},\"dup\":{},\"capacity_blocks\":{},\"reps\":{},\"results\":[{}]}}",
+        o.trace.file_name().and_then(|n| n.to_str()).unwrap_or("?"),
+        trace.len(),
+        o.dup,
+        o.capacity,
+        o.reps,
+        json_rows.join(",")
+    );
+}
+
+/// The machine's load averages (1, 5, 15 min): other work on a shared machine skews every figure.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
