@@ -8,7 +8,7 @@
 use rand::Rng;
 
 use super::{
-    best_by, by_reserved_work, longest_match, owners_unavailable, positions, power_of_two, Choice,
+    best_by, by_reserved_work, longest_match, no_owner_label, positions, power_of_two, Choice,
     DecisionLabel, PolicyConfig, PolicyState, RouteView, WorkerView,
 };
 
@@ -19,10 +19,8 @@ fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
         DecisionLabel::OwnerHold
     } else if !owners.is_empty() {
         DecisionLabel::PressureSpill
-    } else if owners_unavailable(config, view) {
-        DecisionLabel::OwnerUnavailable
     } else {
-        DecisionLabel::ColdMiss
+        no_owner_label(config, view)
     };
     Choice {
         worker,

@@ -324,11 +324,16 @@ pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(
     Some((owners, depth))
 }
 
-/// Whether some worker that is not a candidate (draining, excluded) holds a usable match: the
-/// `owner_unavailable` case of docs/architecture.md, "Policy" step 7.
-pub(crate) fn owners_unavailable(config: &PolicyConfig, view: &RouteView) -> bool {
+/// The label of a decision that found no usable owner (docs/architecture.md, "Step 7: no
+/// owner"): `owner_unavailable` when a worker that is not a candidate (draining, excluded) holds
+/// a usable match, else `cold_miss`.
+pub(crate) fn no_owner_label(config: &PolicyConfig, view: &RouteView) -> DecisionLabel {
     let min = config.match_threshold(view.keys.len());
-    view.workers.iter().any(|w| !w.candidate && w.depth >= min)
+    if view.workers.iter().any(|w| !w.candidate && w.depth >= min) {
+        DecisionLabel::OwnerUnavailable
+    } else {
+        DecisionLabel::ColdMiss
+    }
 }
 
 pub(crate) fn positions(view: &RouteView, keep: impl Fn(&WorkerView) -> bool) -> Vec<usize> {

@@ -10,7 +10,7 @@
 use rand::Rng;
 
 use super::{
-    best_by, by_pressure, by_reserved_work, deepest_lower_tier, longest_match, owners_unavailable,
+    best_by, by_pressure, by_reserved_work, deepest_lower_tier, longest_match, no_owner_label,
     positions, power_of_two, Choice, DecisionLabel, PolicyConfig, RouteView,
 };
 
@@ -175,14 +175,9 @@ pub(crate) fn no_owner(
         &reloaders
     };
     let worker = power_of_two(view, pool, rng);
-    let label = if owners_unavailable(config, view) {
-        DecisionLabel::OwnerUnavailable
-    } else {
-        DecisionLabel::ColdMiss
-    };
     Choice {
         worker,
-        label,
+        label: no_owner_label(config, view),
         matched_blocks: view.workers[worker].depth,
         known_owners: Vec::new(),
         spilled_prefix: None,
