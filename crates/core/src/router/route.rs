@@ -8,15 +8,11 @@ impl Router {
     /// Longest consecutive match of `keys` per worker slot: authoritative or fresh approximate,
     /// whichever is deeper.
     pub(super) fn depths(&self, ns: Option<NsId>, keys: &[u64], now: u64) -> Vec<u32> {
-        let slots = self.state.workers.slot_count();
-        let mut depth = vec![0u32; slots];
+        let mut depth = self.index_depths(&self.state.index, ns, keys);
         let Some(ns) = ns else {
             return depth;
         };
-        self.state.index.walk(ns, keys, |i, owners| {
-            extend_depths(&mut depth, i, owners.iter().copied())
-        });
-        let mut approx = vec![0u32; slots];
+        let mut approx = vec![0u32; depth.len()];
         self.state.approx.walk(ns, keys, now, |i, owners| {
             extend_depths(&mut approx, i, owners)
         });
@@ -26,8 +22,9 @@ impl Router {
         depth
     }
 
-    /// Longest consecutive match of `keys` per worker slot on one lower tier.
-    pub(super) fn tier_depths(
+    /// Longest consecutive match of `keys` per worker slot in one owner index (the device's or
+    /// a lower tier's).
+    pub(super) fn index_depths(
         &self,
         tier: &OwnerIndex,
         ns: Option<NsId>,
@@ -60,8 +57,8 @@ impl Router {
             return TierDepths::default();
         };
         TierDepths {
-            host: self.tier_depths(&self.state.lower.host, ns, keys)[slot as usize],
-            disk: self.tier_depths(&self.state.lower.disk, ns, keys)[slot as usize],
+            host: self.index_depths(&self.state.lower.host, ns, keys)[slot as usize],
+            disk: self.index_depths(&self.state.lower.disk, ns, keys)[slot as usize],
         }
     }
 
@@ -71,8 +68,8 @@ impl Router {
             .namespaces
             .get(req.model.as_deref(), req.lora.as_deref());
         let depths = self.depths(ns, &req.keys, now);
-        let host_depths = self.tier_depths(&self.state.lower.host, ns, &req.keys);
-        let disk_depths = self.tier_depths(&self.state.lower.disk, ns, &req.keys);
+        let host_depths = self.index_depths(&self.state.lower.host, ns, &req.keys);
+        let disk_depths = self.index_depths(&self.state.lower.disk, ns, &req.keys);
         let max_age = self.config.policy.telemetry_max_age_ms;
         let policy_config = &self.config.policy;
         let block_size = self.block_size_of(req.model.as_deref());
