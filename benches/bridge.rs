@@ -20,7 +20,7 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,7 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use kvrouted_testkit::engine::{EngineOptions, TestEngine};
-use kvrouted_testkit::{free_port, nats_server_bin, wait_for_port};
+use kvrouted_testkit::{free_port, nats_server_bin, wait_for_port, Process};
 use tempfile::TempDir;
 
 const BLOCKS_PER_BATCH: usize = 32;
@@ -37,26 +37,22 @@ const ACK_WINDOW: usize = 1024;
 
 static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
-struct Proc(Child);
-
-impl Proc {
-    fn spawn(mut cmd: Command, log: &Path) -> Proc {
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
-            .expect("spawn");
-        CHILDREN.lock().unwrap().push(child.id());
-        Proc(child)
-    }
+/// Starts `cmd` (killed on drop) and registers it for the watchdog's SIGKILL.
+fn spawn(cmd: Command, log: &Path) -> Process {
+    let p = Process::spawn(cmd, log);
+    CHILDREN.lock().unwrap().push(p.id());
+    p
 }
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// A nats-server with JetStream storage in `dir`, and its URL.
+fn start_nats(dir: &Path) -> (Process, String) {
+    let port = free_port();
+    let mut cmd = Command::new(nats_server_bin());
+    cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(dir.join("js"));
+    let p = spawn(cmd, &dir.join("nats.log"));
+    wait_for_port(port, "nats-server");
+    (p, format!("nats://127.0.0.1:{port}"))
 }
 
 fn arg(name: &str, default: u64) -> u64 {
@@ -94,7 +90,7 @@ fn start_bridge(
     nats_url: &str,
     engine: &TestEngine,
     worker: &str,
-) -> (Proc, SocketAddr) {
+) -> (Process, SocketAddr) {
     let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
     cmd.args(["bridge", "--zmq", &engine.zmq_endpoint()])
@@ -103,7 +99,7 @@ fn start_bridge(
         .args(["--http-addr", &http.to_string(), "--block-size", "16"])
         .args(["--ack-window", &ACK_WINDOW.to_string()])
         .env("RUST_LOG", "warn");
-    let p = Proc::spawn(cmd, &dir.join(format!("bridge-{worker}.log")));
+    let p = spawn(cmd, &dir.join(format!("bridge-{worker}.log")));
     wait_for_port(http.port(), "kvrouted bridge");
     (p, http)
 }
@@ -175,13 +171,7 @@ async fn main() {
     // 1a. ZMQ -> bridge -> JetStream.
     {
         let dir = TempDir::new().unwrap();
-        let port = free_port();
-        let mut cmd = Command::new(nats_server_bin());
-        cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path().join("js"));
-        let _nats = Proc::spawn(cmd, &dir.path().join("nats.log"));
-        wait_for_port(port, "nats-server");
-        let url = format!("nats://127.0.0.1:{port}");
+        let (_nats, url) = start_nats(dir.path());
         let js = jetstream::new(async_nats::connect(&url).await.unwrap());
         let mut engine = TestEngine::start(EngineOptions::vllm()).await;
         let (_bridge, http) = start_bridge(dir.path(), &url, &engine, "wb");
@@ -225,13 +215,7 @@ async fn main() {
     // 1b. Direct JetStream publisher, same payloads, same ack window.
     {
         let dir = TempDir::new().unwrap();
-        let port = free_port();
-        let mut cmd = Command::new(nats_server_bin());
-        cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path().join("js"));
-        let _nats = Proc::spawn(cmd, &dir.path().join("nats.log"));
-        wait_for_port(port, "nats-server");
-        let url = format!("nats://127.0.0.1:{port}");
+        let (_nats, url) = start_nats(dir.path());
         let js = jetstream::new(async_nats::connect(&url).await.unwrap());
         js.get_or_create_stream(kvrouted::ingest::stream_config("KVROUTED", "kv"))
             .await
@@ -268,13 +252,7 @@ async fn main() {
     // 2. Latency to the daemon's apply.
     {
         let dir = TempDir::new().unwrap();
-        let port = free_port();
-        let mut cmd = Command::new(nats_server_bin());
-        cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path().join("js"));
-        let _nats = Proc::spawn(cmd, &dir.path().join("nats.log"));
-        wait_for_port(port, "nats-server");
-        let url = format!("nats://127.0.0.1:{port}");
+        let (_nats, url) = start_nats(dir.path());
         let daemon_http = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
         cmd.args([
@@ -288,7 +266,7 @@ async fn main() {
         .arg(dir.path().join("data"))
         .args(["--snapshot-interval", "1h"])
         .env("RUST_LOG", "warn");
-        let _daemon = Proc::spawn(cmd, &dir.path().join("kvrouted.log"));
+        let _daemon = spawn(cmd, &dir.path().join("kvrouted.log"));
         wait_for_port(daemon_http.port(), "kvrouted");
         let nats = async_nats::connect(&url).await.unwrap();
         let js = jetstream::new(nats);

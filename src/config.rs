@@ -379,6 +379,10 @@ pub struct ServeArgs {
     /// nothing on a crash, at some route latency
     #[arg(long, env = "KVROUTED_SOFT_FLUSH_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub soft_flush_interval: Duration,
+    /// On SIGTERM, how long the final snapshot and journal flush may take; past it (a failing
+    /// disk) kvrouted exits anyway with code 74, keeping the journal up to its last flush
+    #[arg(long, env = "KVROUTED_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
     /// Housekeeping interval (worker age-out, expiries, gauges)
     #[arg(long, env = "KVROUTED_TICK_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub tick_interval: Duration,

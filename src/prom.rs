@@ -8,7 +8,8 @@
 //! `kvrouted_index_blocks`, `kvrouted_index_entries`,
 //! `kvrouted_workers{state}`, `kvrouted_worker_pressure{worker}`,
 //! `kvrouted_worker_reserved_work{worker}`, `kvrouted_nats_reconnects_total`,
-//! `kvrouted_ingest_lag_seconds`, `kvrouted_journal_*`.
+//! `kvrouted_ingest_lag_seconds`, `kvrouted_journal_*` (`kvrouted_journal_errors_total`: failed
+//! journal writes; `kvrouted_journal_fault_refusals_total`: inputs refused after one).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -55,30 +56,41 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     counter!("kvrouted_engine_restarts_total").absolute(0);
     counter!("kvrouted_departed_inputs_total").absolute(0);
     counter!("kvrouted_nats_reconnects_total").absolute(0);
+    counter!("kvrouted_journal_errors_total").absolute(0);
+    counter!("kvrouted_journal_fault_refusals_total").absolute(0);
     Ok(handle)
 }
 
 /// Counts a rejected input and logs it, at most once per second per reason.
 pub fn reject(rejection: &Rejection, source: &str) {
     counter!("kvrouted_inputs_rejected_total", "reason" => rejection.reason.as_str()).increment(1);
-    static LAST: Mutex<Option<HashMap<RejectReason, (Instant, u64)>>> = Mutex::new(None);
-    let mut guard = LAST.lock().unwrap_or_else(|e| e.into_inner());
-    let map = guard.get_or_insert_with(HashMap::new);
-    let now = Instant::now();
-    let entry = map
-        .entry(rejection.reason)
-        .or_insert((now - Duration::from_secs(2), 0));
-    if now.duration_since(entry.0) >= Duration::from_secs(1) {
+    if let Some(suppressed) = log_allowed(rejection.reason.as_str()) {
         tracing::warn!(
             reason = rejection.reason.as_str(),
             source,
-            suppressed = entry.1,
+            suppressed,
             "rejected input: {}",
             rejection.detail
         );
+    }
+}
+
+/// Whether a log line of kind `key` may be written now: at most one per second per kind, so a
+/// flood of bad input or a failing disk cannot flood the log. `Some(n)` when it may, with the
+/// number of lines of that kind suppressed since the last one (to log with it).
+pub fn log_allowed(key: &'static str) -> Option<u64> {
+    static LAST: Mutex<Option<HashMap<&'static str, (Instant, u64)>>> = Mutex::new(None);
+    let mut guard = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    let now = Instant::now();
+    let entry = map.entry(key).or_insert((now - Duration::from_secs(2), 0));
+    if now.duration_since(entry.0) >= Duration::from_secs(1) {
+        let suppressed = entry.1;
         *entry = (now, 0);
+        Some(suppressed)
     } else {
         entry.1 += 1;
+        None
     }
 }
 

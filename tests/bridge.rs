@@ -6,11 +6,11 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer};
-use common::{eventually, free_port, prompt, Daemon, Nats, DEADLINE};
+use common::{eventually, free_port, kvrouted_command, prompt, Daemon, Nats, Process, DEADLINE};
 use futures::StreamExt;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use kvrouted_testkit::engine::{EngineOptions, TestEngine};
@@ -19,7 +19,7 @@ use tempfile::TempDir;
 
 /// The bridge process under test.
 struct Bridge {
-    child: Option<Child>,
+    child: Option<Process>,
     http: SocketAddr,
     args: Vec<String>,
     log: PathBuf,
@@ -66,27 +66,13 @@ impl Bridge {
     /// Starts the process (again) and waits for its /healthz.
     async fn spawn(&mut self) {
         assert!(self.child.is_none(), "bridge already running");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
-        cmd.args(&self.args)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log);
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("KVROUTED_") {
-                cmd.env_remove(k);
-            }
-        }
-        self.child = Some(cmd.spawn().expect("start kvrouted bridge"));
+        let mut cmd = kvrouted_command();
+        cmd.args(&self.args);
+        self.child = Some(Process::spawn(cmd, &self.log));
         let url = format!("http://{}/healthz", self.http);
         let start = Instant::now();
         loop {
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+            if let Some(status) = self.child.as_mut().unwrap().exited() {
                 panic!("bridge exited with {status}; log:\n{}", self.log_text());
             }
             if self.client.get(&url).send().await.is_ok() {
@@ -106,39 +92,22 @@ impl Bridge {
     }
 
     fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child = None;
     }
 
     fn signal(&self, signal: &str) {
-        let pid = self.child.as_ref().expect("bridge running").id();
-        let status = Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
+        self.child.as_ref().expect("bridge running").signal(signal);
     }
 
     /// SIGTERM, then the exit within the deadline.
     fn terminate(&mut self) -> ExitStatus {
-        self.signal("-TERM");
-        let mut c = self.child.take().unwrap();
-        let start = Instant::now();
-        loop {
-            if let Some(status) = c.try_wait().unwrap() {
-                return status;
-            }
-            if start.elapsed() > DEADLINE {
-                let _ = c.kill();
-                panic!(
-                    "bridge did not exit after SIGTERM; log:\n{}",
-                    self.log_text()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let mut child = self.child.take().expect("bridge running");
+        child.terminate_within(DEADLINE).unwrap_or_else(|| {
+            panic!(
+                "bridge did not exit after SIGTERM; log:\n{}",
+                self.log_text()
+            )
+        })
     }
 
     async fn metric(&self, series: &str) -> f64 {
@@ -699,14 +668,14 @@ async fn sigusr1_drains_the_worker() {
     let engine = TestEngine::start(EngineOptions::vllm()).await;
     let bridge = Bridge::start(&nats.url(), &engine, "w1", QUICK).await;
     daemon.wait_state("w1", "active").await;
-    bridge.signal("-USR1");
+    bridge.signal("USR1");
     daemon.wait_state("w1", "draining").await;
 }
 
 #[test]
 fn bridge_help_explains_every_flag() {
     let (status, out, _) = common::run_to_exit({
-        let mut c = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
+        let mut c = kvrouted_command();
         c.args(["bridge", "--help"]);
         c
     });
@@ -743,7 +712,7 @@ fn bridge_help_explains_every_flag() {
 #[test]
 fn bridge_with_an_invalid_worker_id_exits_with_a_clear_error() {
     let (status, _, err) = common::run_to_exit({
-        let mut c = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
+        let mut c = kvrouted_command();
         c.args(["bridge", "--zmq", "tcp://127.0.0.1:1", "--worker", "a.b"]);
         c
     });

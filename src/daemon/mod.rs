@@ -17,7 +17,7 @@ use crate::journal::Journal;
 use crate::prom;
 use crate::replay::replay;
 use crate::router::{Router, RouterConfig};
-use crate::status::Status;
+use crate::status::{Status, EXIT_STORAGE_FAULT};
 use crate::writer::{self, apply_journaled, Clock, PendingAcks, WriterSettings};
 use metrics_exporter_prometheus::PrometheusHandle;
 
@@ -45,8 +45,12 @@ fn recover(args: &ServeArgs, config: RouterConfig) -> anyhow::Result<Recovered> 
     .context("recovering from the journal")?;
     let mut clock = Clock::new(last_at);
     for input in [Input::Configure(Box::new(config)), Input::Resume] {
-        if !apply_journaled(&mut router, &journal, &mut clock, input, "start").journaled {
-            anyhow::bail!("cannot write to the journal in {}", args.data_dir.display());
+        if let Err(e) = apply_journaled(&mut router, &journal, &mut clock, input, "start").journaled
+        {
+            anyhow::bail!(
+                "cannot write to the journal in {}: {e}",
+                args.data_dir.display()
+            );
         }
     }
     journal.flush()?;
@@ -228,7 +232,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let _ = tokio::time::timeout(Duration::from_secs(2), recovering_server).await;
     status.recovered.store(true, Ordering::Release);
 
-    let pending = Arc::new(PendingAcks::default());
+    let pending = Arc::new(PendingAcks::new(status.journal_fault.clone()));
     let (writer, writer_thread) = writer::spawn(
         router,
         journal.clone(),
@@ -291,6 +295,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         nats = args.nats.redacted_url(),
         "kvrouted serving"
     );
+    let fault = status.journal_fault.clone();
     let app = http::app(
         AppState {
             writer: writer.clone(),
@@ -300,18 +305,66 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         args.max_body_bytes,
     );
-    http::server::serve(listener, app, server_settings, shutdown_signal()).await?;
+    let stop = async {
+        tokio::select! {
+            _ = shutdown_signal() => {}
+            _ = async {
+                fault.occurred().await;
+                // Long enough for probes and load balancers to see `/readyz` say why.
+                tokio::time::sleep(FAULT_EXIT_AFTER).await;
+            } => tracing::error!(
+                "stopping after a journal fault, so that a supervisor restarts kvrouted from its \
+                 journal"
+            ),
+        }
+    };
+    http::server::serve(listener, app, server_settings, stop).await?;
 
-    tracing::info!("shutting down: writing a final snapshot");
-    writer.shutdown().await;
-    let _ = tokio::task::spawn_blocking(move || writer_thread.join()).await;
-    // The final snapshot flushed the journal: ack what it covers, so a clean restart does not
-    // see those messages again.
-    writer::flush_and_ack(&journal, &pending).await;
-    // With the broker down a flush would wait forever: give it a moment, then stop anyway.
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), client.flush()).await;
+    if fault.failed() {
+        tracing::info!("shutting down: no final snapshot (the state is not the journal's)");
+    } else {
+        tracing::info!("shutting down: writing a final snapshot");
+    }
+    let finish = async {
+        writer.shutdown().await;
+        let _ = tokio::task::spawn_blocking(move || writer_thread.join()).await;
+        // The final snapshot flushed the journal: ack what it covers, so a clean restart does
+        // not see those messages again.
+        writer::flush_and_ack(&journal, &pending).await;
+        // With the broker down a flush would wait forever: give it a moment, then stop anyway.
+        let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
+    };
+    let finished = tokio::time::timeout(args.shutdown_timeout, finish)
+        .await
+        .is_ok();
+    if let Some(reason) = fault.reason() {
+        exit_storage_fault(&format!("a journal write failed while serving ({reason})"));
+    }
+    if !finished {
+        exit_storage_fault(&format!(
+            "the final snapshot and journal flush did not finish within {:?} \
+             (--shutdown-timeout); the journal up to its last flush is kept",
+            args.shutdown_timeout
+        ));
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// How long the daemon keeps answering `/readyz` (503, with the reason) after a journal fault
+/// before it stops by itself.
+const FAULT_EXIT_AFTER: Duration = Duration::from_secs(15);
+
+/// Ends the process with [`EXIT_STORAGE_FAULT`] at once. Destructors are skipped on purpose:
+/// sled's, on a failed disk, wait for a flush that never completes (which is what a stop
+/// without this deadline did until killed). Unacked JetStream messages are delivered again to
+/// the restarted daemon, which recovers from the journal.
+fn exit_storage_fault(reason: &str) -> ! {
+    tracing::error!(
+        exit_code = EXIT_STORAGE_FAULT,
+        "stopped by a storage fault: {reason}; restart kvrouted once the data dir can be written"
+    );
+    std::process::exit(i32::from(EXIT_STORAGE_FAULT))
 }
 
 /// Rewinds our durable consumer to its ack floor when a previous process left messages

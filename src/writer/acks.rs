@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::journal::Journal;
+use crate::status::JournalFault;
 
 /// A future returned by [`Acknowledge::ack`].
 pub type AckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
@@ -55,9 +56,24 @@ pub struct PendingAcks {
     flushed: AtomicU64,
     /// A journal append failed while acks were cumulative (see [`PendingAcks::queue`]).
     cumulative_stopped: AtomicBool,
+    /// Where the writer and the flusher record a failed journal write.
+    fault: Arc<JournalFault>,
 }
 
 impl PendingAcks {
+    /// Pending acks whose journal failures are recorded in `fault` (the daemon's readiness).
+    pub fn new(fault: Arc<JournalFault>) -> Self {
+        PendingAcks {
+            fault,
+            ..PendingAcks::default()
+        }
+    }
+
+    /// The journal's fault, shared by the writer and the flusher.
+    pub fn fault(&self) -> &JournalFault {
+        &self.fault
+    }
+
     /// Records that the journal holds entries up to `seq` (not durable yet).
     pub fn appended(&self, seq: u64) {
         self.appended.store(seq, Ordering::Release);
@@ -76,7 +92,8 @@ impl PendingAcks {
     /// A flush acks only messages whose sequence it covers, so an ack queued while a flush is
     /// under way waits for the next one: queued late, never acked early.
     pub fn queue(&self, seq: u64, ack: Ack, journaled: bool) {
-        if !journaled {
+        // After a journal fault nothing more is acked: the restart rewinds to the ack floor.
+        if !journaled || self.fault.failed() {
             if ack.cumulative && !self.cumulative_stopped.swap(true, Ordering::AcqRel) {
                 tracing::error!(
                     seq,
@@ -117,6 +134,11 @@ pub async fn run_flusher(
     let mut last_flush = Instant::now();
     loop {
         ticker.tick().await;
+        if pending.fault.failed() {
+            // Nothing is appended or acked any more; retrying a failing disk every tick would
+            // only add to its load. The stop's last flush still tries once.
+            return;
+        }
         // A flush costs every route some latency, so without a message waiting for its ack the
         // journal is flushed only every `soft_interval`.
         if pending.awaiting_ack() || last_flush.elapsed() >= soft_interval {
@@ -133,10 +155,9 @@ pub async fn flush_and_ack(journal: &impl Durable, pending: &PendingAcks) {
     // Acks of rejected messages can wait on entries that an earlier flush already covered.
     if upto > pending.flushed.load(Ordering::Acquire) {
         if let Err(e) = journal.flush().await {
-            metrics::counter!("kvrouted_journal_errors_total").increment(1);
-            tracing::error!(
-                "journal flush failed (messages stay unacked and will be redelivered): {e}"
-            );
+            // Messages stay unacked and are redelivered; entries may be lost, so the live state
+            // is no longer the journal's.
+            pending.fault.record("flush", &e);
             return;
         }
         pending.flushed.fetch_max(upto, Ordering::AcqRel);
@@ -293,6 +314,31 @@ mod tests {
         journal.fail.store(false, Ordering::Release);
         flush_and_ack(&*journal, &pending).await;
         assert_eq!(*log.lock().unwrap(), [Event::Flushed(1), Event::Acked(1)]);
+    }
+
+    #[tokio::test]
+    async fn after_a_failed_flush_no_later_message_is_acked_and_the_fault_is_reported() {
+        let (log, pending, journal) = setup();
+        journal_message(&pending, &log, 1, true);
+        journal.fail.store(true, Ordering::Release);
+        flush_and_ack(&*journal, &pending).await;
+        assert!(
+            pending
+                .fault()
+                .reason()
+                .is_some_and(|r| r.contains("disk full")),
+            "a failed flush is a journal fault, with its reason"
+        );
+        // The disk recovers: what was appended before the fault is acked once durable, nothing
+        // queued after it (the state is no longer the journal's; the restart redelivers it).
+        journal.fail.store(false, Ordering::Release);
+        pending.queue_after_appended(ack(&log, 2, true));
+        flush_and_ack(&*journal, &pending).await;
+        assert_eq!(
+            *log.lock().unwrap(),
+            [Event::Flushed(1), Event::Acked(1)],
+            "only the message journaled before the fault is acked"
+        );
     }
 
     #[tokio::test]

@@ -60,8 +60,15 @@ pub struct WriterState {
 }
 
 impl WriterState {
-    /// Journals and applies one input; the next flush makes it durable.
-    fn apply(&mut self, input: Input, source: &str) -> Applied {
+    /// Journals and applies one input; the next flush makes it durable. Once a journal write
+    /// has failed, applies nothing more: the state may already hold an input the journal does
+    /// not, and must not move further from it (see [`crate::status::JournalFault`]).
+    fn apply(&mut self, input: Input, source: &str) -> Result<Applied, JournalFaulted> {
+        let fault = self.pending.fault();
+        if let Some(reason) = fault.reason() {
+            fault.refuse(source);
+            return Err(JournalFaulted(reason.to_string()));
+        }
         let applied = apply_journaled(
             &mut self.router,
             &self.journal,
@@ -69,8 +76,20 @@ impl WriterState {
             input,
             source,
         );
+        if let Err(e) = &applied.journaled {
+            // Applied but not journaled: its output is never handed out.
+            fault.record("append", e);
+            fault.refuse(source);
+            return Err(JournalFaulted(e.clone()));
+        }
         self.pending.appended(self.router.last_seq());
-        applied
+        Ok(applied)
+    }
+
+    /// Whether the state is still the journal's (no journal write has failed), so that a
+    /// snapshot of it may be written.
+    fn consistent(&self) -> bool {
+        !self.pending.fault().failed()
     }
 }
 
@@ -89,13 +108,27 @@ pub struct WriterHandle {
 #[error("the router is shutting down")]
 pub struct WriterGone;
 
+/// An input refused because a journal write failed (see [`crate::status::JournalFault`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the journal cannot be written ({0}); kvrouted refuses inputs until it restarts")]
+pub struct JournalFaulted(pub String);
+
+/// Why a gateway input (a route or a release) was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum Unavailable {
+    #[error(transparent)]
+    WriterGone(#[from] WriterGone),
+    #[error(transparent)]
+    JournalFault(#[from] JournalFaulted),
+}
+
 /// Why a route got no decision.
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
     #[error("no candidate worker: none known, or all draining or excluded")]
     NoCandidate,
     #[error(transparent)]
-    WriterGone(#[from] WriterGone),
+    Unavailable(#[from] Unavailable),
 }
 
 /// The source label of inputs from gateways, in metrics.
@@ -119,7 +152,7 @@ impl WriterHandle {
         &self,
         reservation: u64,
         phase: Option<ReleasePhase>,
-    ) -> Result<bool, WriterGone> {
+    ) -> Result<bool, Unavailable> {
         match self
             .apply_gateway(Input::Release { reservation, phase })
             .await?
@@ -146,10 +179,12 @@ impl WriterHandle {
         self.query(|router, now| router.worker_rows(now)).await
     }
 
-    async fn apply_gateway(&self, input: Input) -> Result<Output, WriterGone> {
-        self.shared
-            .gateway(move |state| state.apply(input, GATEWAY).output)
-            .await
+    async fn apply_gateway(&self, input: Input) -> Result<Output, Unavailable> {
+        let applied = self
+            .shared
+            .gateway(move |state| state.apply(input, GATEWAY))
+            .await??;
+        Ok(applied.output)
     }
 
     /// Queues an ingest input for the writer thread; `ack` is acked once its journal entry is
@@ -240,19 +275,16 @@ pub fn apply_journaled(
         input: stamped.input,
         outcome: RouteOutcome::of(&output),
     };
-    let journaled = match journal.append(seq, &entry) {
-        Ok(bytes) => {
+    let journaled = journal
+        .append(seq, &entry)
+        .map(|bytes| {
             metrics::counter!("kvrouted_journal_bytes_total").increment(bytes as u64);
             metrics::counter!("kvrouted_journal_entries_total").increment(1);
-            true
-        }
-        Err(e) => {
-            metrics::counter!("kvrouted_journal_errors_total").increment(1);
-            tracing::error!(seq, "journal append failed: {e}");
-            false
-        }
-    };
-    prom::record_output(&output, source);
+        })
+        .map_err(|e| e.to_string());
+    if journaled.is_ok() {
+        prom::record_output(&output, source);
+    }
     Applied {
         seq,
         output,
@@ -264,9 +296,10 @@ pub fn apply_journaled(
 pub struct Applied {
     pub seq: u64,
     pub output: Output,
-    /// The entry is in the journal (durable at the next flush). When not, the message it came
-    /// from must not be acked: it stays pending and JetStream delivers it again.
-    pub journaled: bool,
+    /// The entry is in the journal (durable at the next flush), or why the append failed. When
+    /// it failed, the input is applied but not journaled: its output must not be handed out,
+    /// and the message it came from must not be acked (JetStream delivers it again).
+    pub journaled: Result<(), String>,
 }
 
 /// The writer thread's side of its two channels.
@@ -340,13 +373,15 @@ pub fn spawn(
                         let applied = shared.ingest(|state| {
                             let lifecycle = matches!(input, Input::Lifecycle(_));
                             let applied = state.apply(input, source);
-                            if lifecycle {
+                            if lifecycle && applied.is_ok() {
                                 let sizes = Arc::new(state.router.block_sizes());
                                 *block_sizes.write().unwrap_or_else(|e| e.into_inner()) = sizes;
                             }
-                            // Queued under the lock, right after the entry's append.
+                            // Queued under the lock, right after the entry's append; a message
+                            // not journaled stays unacked (delivered again).
                             if let Some(ack) = ack {
-                                pending.queue(applied.seq, ack, applied.journaled);
+                                let seq = state.router.last_seq();
+                                pending.queue(seq, ack, applied.is_ok());
                             }
                         });
                         if applied.is_err() {
@@ -359,18 +394,23 @@ pub fn spawn(
                     Err(WriterGone) => break None,
                 }
                 if snapshotter.due() {
-                    if let Ok(snapshot) =
-                        shared.ingest(|state| take_snapshot(&state.router, &mut state.clock))
-                    {
+                    // Never a snapshot of a state the journal does not hold.
+                    if let Ok(Some(snapshot)) = shared.ingest(|state| {
+                        state
+                            .consistent()
+                            .then(|| take_snapshot(&state.router, &mut state.clock))
+                    }) {
                         snapshotter.submit(snapshot);
                     }
                 }
             };
             // Let a periodic snapshot in progress finish, then write the final one.
             snapshotter.finish(|| {
-                shared
-                    .take()
-                    .map(|mut state| take_snapshot(&state.router, &mut state.clock))
+                shared.take().and_then(|mut state| {
+                    state
+                        .consistent()
+                        .then(|| take_snapshot(&state.router, &mut state.clock))
+                })
             });
             if let Some(done) = shutdown {
                 let _ = done.send(());

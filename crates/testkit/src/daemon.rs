@@ -3,14 +3,14 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tempfile::TempDir;
 
 use crate::poll::{eventually, DEADLINE};
-use crate::processes::free_port;
+use crate::processes::{free_port, Process};
 use crate::worker::Worker;
 
 /// The `kvrouted` binary under test: `$KVROUTED_BIN`, else the one cargo built next to the
@@ -63,9 +63,45 @@ pub fn run_to_exit(mut cmd: Command) -> (ExitStatus, String, String) {
     }
 }
 
+/// Makes every write of `cmd`'s process past `bytes` into a file fail with `EFBIG` (a full disk,
+/// unprivileged): `RLIMIT_FSIZE`, with `SIGXFSZ` ignored so that the write fails instead of the
+/// signal killing the process.
+fn limit_file_size(cmd: &mut Command, bytes: u64) {
+    use std::os::unix::process::CommandExt;
+    let limit = libc::rlimit {
+        rlim_cur: bytes as libc::rlim_t,
+        rlim_max: bytes as libc::rlim_t,
+    };
+    // SAFETY: between fork and exec only async-signal-safe calls are made (setrlimit, signal),
+    // on values prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::signal(libc::SIGXFSZ, libc::SIG_IGN) == libc::SIG_ERR
+                || libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// `kvrouted` (see [`kvrouted_bin`]) logging at `info`, with no `KVROUTED_...` setting of the
+/// environment running the tests: only what a test gives.
+pub fn kvrouted_command() -> Command {
+    let mut cmd = Command::new(kvrouted_bin());
+    cmd.env("RUST_LOG", "info");
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("KVROUTED_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
 /// The kvrouted daemon under test.
 pub struct Daemon {
-    child: Option<Child>,
+    child: Option<Process>,
     /// Where the test talks HTTP to it (and, with `pass_http_addr`, what `--http-addr` says).
     pub http: SocketAddr,
     pub data_dir: PathBuf,
@@ -75,6 +111,9 @@ pub struct Daemon {
     pub env: Vec<(String, String)>,
     /// Whether `--http-addr` is passed; off when the address comes from a file or the environment.
     pub pass_http_addr: bool,
+    /// Largest file the process may write, in bytes (`RLIMIT_FSIZE`, with `SIGXFSZ` ignored): a
+    /// write past it fails with `EFBIG`, as on a full disk, without root.
+    pub file_size_limit: Option<u64>,
     log: PathBuf,
     _dir: Option<TempDir>,
     client: reqwest::Client,
@@ -109,6 +148,7 @@ impl Daemon {
             extra: extra.iter().map(|s| s.to_string()).collect(),
             env: Vec::new(),
             pass_http_addr: true,
+            file_size_limit: None,
             _dir: Some(dir),
             client: fresh_connections().build().unwrap(),
             scheme: "http",
@@ -150,12 +190,7 @@ impl Daemon {
 
     /// Sends a signal (`HUP`, `TERM`, ...) to the running daemon.
     pub fn signal(&self, signal: &str) {
-        let pid = self.child.as_ref().expect("daemon running").id();
-        let status = Command::new("kill")
-            .args([&format!("-{signal}"), &pid.to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success(), "kill -{signal} {pid}");
+        self.child.as_ref().expect("daemon running").signal(signal);
     }
 
     /// The HTTP client the helpers use (HTTPS-aware after [`Daemon::use_https`]).
@@ -164,7 +199,7 @@ impl Daemon {
     }
 
     pub fn command(&self) -> Command {
-        let mut cmd = Command::new(kvrouted_bin());
+        let mut cmd = kvrouted_command();
         cmd.arg("serve").args(["--nats-url", &self.nats_url]);
         if self.pass_http_addr {
             cmd.args(["--http-addr", &self.http.to_string()]);
@@ -172,14 +207,7 @@ impl Daemon {
         cmd.arg("--data-dir")
             .arg(&self.data_dir)
             .args(TEST_FLAGS)
-            .args(&self.extra)
-            .env("RUST_LOG", "info");
-        // Only the settings a test gives: none leak in from the environment running the tests.
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("KVROUTED_") {
-                cmd.env_remove(k);
-            }
-        }
+            .args(&self.extra);
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
@@ -190,18 +218,11 @@ impl Daemon {
     /// Starts the process (again) on the same data dir and port without waiting for anything.
     pub fn spawn(&mut self) {
         assert!(self.child.is_none(), "daemon already running");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let child = self
-            .command()
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start kvrouted");
-        self.child = Some(child);
+        let mut cmd = self.command();
+        if let Some(limit) = self.file_size_limit {
+            limit_file_size(&mut cmd, limit);
+        }
+        self.child = Some(Process::spawn(cmd, &self.log));
     }
 
     /// Starts the process (again) on the same data dir and port, and waits until its API is up:
@@ -213,7 +234,7 @@ impl Daemon {
         let client = self.client.clone();
         let start = Instant::now();
         loop {
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+            if let Some(status) = self.child.as_mut().unwrap().exited() {
                 panic!(
                     "kvrouted exited with {status} at start; log:\n{}",
                     self.log_text()
@@ -244,43 +265,35 @@ impl Daemon {
 
     /// SIGKILL: no snapshot, no flush.
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child = None;
     }
 
     /// SIGTERM; waits up to [`DEADLINE`] for the exit. `None` if the process is still running
     /// then (it is left to the drop's SIGKILL).
     pub fn terminate_within_deadline(&mut self) -> Option<ExitStatus> {
-        let c = self.child.as_mut().expect("daemon running");
-        let _ = Command::new("kill")
-            .args(["-TERM", &c.id().to_string()])
-            .status();
-        let start = Instant::now();
-        while start.elapsed() < DEADLINE {
-            if let Some(status) = c.try_wait().unwrap() {
-                self.child = None;
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let status = self
+            .child
+            .as_mut()
+            .expect("daemon running")
+            .terminate_within(DEADLINE);
+        if status.is_some() {
+            self.child = None;
         }
-        None
+        status
     }
 
-    /// SIGTERM and wait for a clean exit.
-    pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let mut c = self.child.take().expect("daemon running");
-        let _ = Command::new("kill")
-            .args(["-TERM", &c.id().to_string()])
-            .status();
-        c.wait().unwrap()
+    /// SIGTERM and the exit, which must come within [`DEADLINE`].
+    pub fn terminate(&mut self) -> ExitStatus {
+        self.terminate_within_deadline().unwrap_or_else(|| {
+            panic!(
+                "kvrouted still running {DEADLINE:?} after SIGTERM; log:\n{}",
+                self.log_text()
+            )
+        })
     }
 
     pub fn is_running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| c.try_wait().unwrap().is_none())
+        self.child.as_mut().is_some_and(|c| c.exited().is_none())
     }
 
     pub async fn wait_ready(&self) {
@@ -492,8 +505,8 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
 {
-    let mut cmd = Command::new(kvrouted_bin());
-    cmd.args(args).env("RUST_LOG", "info");
+    let mut cmd = kvrouted_command();
+    cmd.args(args);
     let (status, stdout, stderr) = run_to_exit(cmd);
     (status.success(), status.code(), stdout, stderr)
 }

@@ -33,12 +33,12 @@ pub mod processes;
 pub mod worker;
 
 #[cfg(feature = "processes")]
-pub use daemon::{kvrouted, kvrouted_bin, plain, run_to_exit, Daemon};
+pub use daemon::{kvrouted, kvrouted_bin, kvrouted_command, plain, run_to_exit, Daemon};
 #[cfg(feature = "processes")]
 pub use nats::Nats;
 #[cfg(feature = "processes")]
 pub use poll::{eventually, DEADLINE};
 #[cfg(feature = "processes")]
-pub use processes::{free_port, nats_server_bin, wait_for_port};
+pub use processes::{free_port, nats_server_bin, wait_for_port, Process};
 #[cfg(feature = "processes")]
 pub use worker::{consumer_settled, prompt, OwnerAndOther, Worker};

@@ -46,3 +46,76 @@ pub fn nats_server_bin() -> PathBuf {
     }
     panic!("nats-server not found: run scripts/test (it installs the Debian package nats-server) or set NATS_SERVER_BIN");
 }
+
+/// A process a test or benchmark started, its stdout and stderr appended to a log file; killed
+/// (SIGKILL) on drop, so that a failing test leaves nothing running.
+pub struct Process {
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Process {
+    /// Starts `cmd` with stdin closed and its output appended to `log`.
+    pub fn spawn(mut cmd: std::process::Command, log: &Path) -> Process {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        let child = cmd
+            .stdin(std::process::Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+        Process {
+            child,
+            log: log.to_path_buf(),
+        }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// What the process wrote so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The exit status, if it has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+
+    /// Sends a signal (`HUP`, `TERM`, ...).
+    pub fn signal(&self, signal: &str) {
+        let pid = self.id().to_string();
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+
+    /// SIGTERM, then the exit status if the process exits within `deadline` (`None`: still
+    /// running, left to the drop's SIGKILL).
+    pub fn terminate_within(&mut self, deadline: Duration) -> Option<std::process::ExitStatus> {
+        self.signal("TERM");
+        let start = Instant::now();
+        while start.elapsed() < deadline {
+            if let Some(status) = self.exited() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
