@@ -25,11 +25,14 @@ use crate::input::{RejectReason, Rejection, RouteRequest, WorkerId};
 use crate::prom::reject;
 use crate::reservations::ReleasePhase;
 use crate::status::Status;
-use crate::writer::{RouteError, WriterGone, WriterHandle};
+use crate::writer::{RouteError, Unavailable, WriterGone, WriterHandle};
 
 pub mod auth;
+pub mod route_body;
 pub mod server;
 mod token_list;
+
+use route_body::RouteBody;
 
 /// Explicit handler state.
 #[derive(Clone)]
@@ -68,6 +71,12 @@ impl IntoResponse for ApiError {
 
 impl From<WriterGone> for ApiError {
     fn from(e: WriterGone) -> Self {
+        ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+    }
+}
+
+impl From<Unavailable> for ApiError {
+    fn from(e: Unavailable) -> Self {
         ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
     }
 }
@@ -163,35 +172,14 @@ fn reply<T: Serialize>(headers: &HeaderMap, status: StatusCode, value: &T) -> Re
     }
 }
 
-/// Parses a route body. JSON token lists take [`token_list::split_tokens`]; anything it does
-/// not read exactly goes through serde_json whole, as every other body does.
+/// Parses a route body ([`route_body::parse`]), with a one-line error.
 fn parse_route_body(headers: &HeaderMap, body: &[u8]) -> Result<RouteBody, ApiError> {
-    if !is_msgpack(headers) {
-        if let Some((rest, tokens)) = token_list::split_tokens(body) {
-            if let Ok(parsed @ RouteBody { tokens: None, .. }) = serde_json::from_slice(&rest) {
-                return Ok(RouteBody {
-                    tokens: Some(tokens),
-                    ..parsed
-                });
-            }
-        }
-    }
-    parse_body(headers, body)
-}
-
-#[derive(Debug, Deserialize)]
-struct RouteBody {
-    model: Option<String>,
-    tokens: Option<Vec<u32>>,
-    block_keys: Option<Vec<u64>>,
-    prompt_tokens: Option<u64>,
-    max_output_tokens: Option<u64>,
-    #[serde(default)]
-    exclude: Vec<String>,
-    request_id: Option<String>,
-    lora: Option<String>,
-    #[serde(default)]
-    explain: bool,
+    route_body::parse(is_msgpack(headers), body).map_err(|e| {
+        bad_request(
+            RejectReason::InvalidField,
+            format!("invalid request body: {e}"),
+        )
+    })
 }
 
 const MAX_REQUEST_ID: usize = 256;
@@ -345,6 +333,14 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 
 async fn readyz(State(state): State<AppState>) -> Response {
     let s = &state.status;
+    if let Some(reason) = s.journal_fault.reason() {
+        // Inputs are refused until a restart: out of rotation, saying why.
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "journal_fault", "reason": reason})),
+        )
+            .into_response();
+    }
     if !s.recovered.load(Ordering::Acquire) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
