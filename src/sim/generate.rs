@@ -66,24 +66,45 @@ fn exp_draw(rng: &mut ChaCha8Rng, mean: f64, min: f64) -> f64 {
     (-mean * (1.0 - u).ln()).max(min)
 }
 
-/// Generates the sessions' requests, session by session (each session's turns in order).
-pub fn agentic(params: &AgenticParams, block_tokens: u32, seed: u64) -> anyhow::Result<Trace> {
+/// What both generators require: a positive block size and a positive, finite arrival rate
+/// (`rate_name` says which rate, in the error).
+fn check_common(block_tokens: u32, rate: f64, rate_name: &str) -> anyhow::Result<()> {
     anyhow::ensure!(block_tokens > 0, "block tokens must be positive");
     anyhow::ensure!(
-        params.session_rate.is_finite() && params.session_rate > 0.0,
-        "session rate must be positive"
+        rate.is_finite() && rate > 0.0,
+        "{rate_name} rate must be positive"
     );
+    Ok(())
+}
+
+/// Block ids never used before: each names content of its own.
+#[derive(Default)]
+struct FreshIds(u64);
+
+impl FreshIds {
+    fn next(&mut self) -> u64 {
+        self.0 += 1;
+        self.0 - 1
+    }
+
+    /// `count` prompts of `tokens / block_tokens` fresh blocks each (shared system prompts or
+    /// prefixes).
+    fn prompts(&mut self, count: usize, tokens: u64, block_tokens: u64) -> Vec<Vec<u64>> {
+        let blocks = (tokens / block_tokens) as usize;
+        (0..count)
+            .map(|_| (0..blocks).map(|_| self.next()).collect())
+            .collect()
+    }
+}
+
+/// Generates the sessions' requests, session by session (each session's turns in order).
+pub fn agentic(params: &AgenticParams, block_tokens: u32, seed: u64) -> anyhow::Result<Trace> {
+    check_common(block_tokens, params.session_rate, "session")?;
     let bt = block_tokens as u64;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut next_id = 0u64;
-    let mut fresh = || {
-        next_id += 1;
-        next_id - 1
-    };
-    let system_blocks = (params.system_prompt_tokens / bt) as usize;
-    let systems: Vec<Vec<u64>> = (0..params.system_prompts)
-        .map(|_| (0..system_blocks).map(|_| fresh()).collect())
-        .collect();
+    let mut ids = FreshIds::default();
+    let systems = ids.prompts(params.system_prompts, params.system_prompt_tokens, bt);
+    let mut fresh = || ids.next();
 
     let mut requests = Vec::new();
     let mut start_us = 0f64;
@@ -175,11 +196,7 @@ pub fn shared_prefix(
     block_tokens: u32,
     seed: u64,
 ) -> anyhow::Result<Trace> {
-    anyhow::ensure!(block_tokens > 0, "block tokens must be positive");
-    anyhow::ensure!(
-        params.request_rate.is_finite() && params.request_rate > 0.0,
-        "request rate must be positive"
-    );
+    check_common(block_tokens, params.request_rate, "request")?;
     anyhow::ensure!(params.prefixes >= 1, "at least one common prefix is needed");
     anyhow::ensure!(
         params.prefix_skew.is_finite() && params.prefix_skew >= 0.0,
@@ -187,15 +204,9 @@ pub fn shared_prefix(
     );
     let bt = block_tokens as u64;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut next_id = 0u64;
-    let mut fresh = || {
-        next_id += 1;
-        next_id - 1
-    };
-    let prefix_blocks = (params.prefix_tokens / bt) as usize;
-    let prefixes: Vec<Vec<u64>> = (0..params.prefixes)
-        .map(|_| (0..prefix_blocks).map(|_| fresh()).collect())
-        .collect();
+    let mut ids = FreshIds::default();
+    let prefixes = ids.prompts(params.prefixes, params.prefix_tokens, bt);
+    let mut fresh = || ids.next();
     let weights: Vec<f64> = (1..=params.prefixes)
         .map(|rank| (rank as f64).powf(-params.prefix_skew))
         .collect();

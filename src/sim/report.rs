@@ -55,47 +55,56 @@ fn json_policy(r: &PolicyReport) -> JsonPolicy<'_> {
     }
 }
 
+/// The columns every table has after the hit ratios: copies, evictions, TTFT, throughput and
+/// load spread.
+const OUTCOME_COLUMNS: [&str; 7] = [
+    "dup_copies",
+    "evictions",
+    "ttft_p50",
+    "ttft_p90",
+    "ttft_p99",
+    "req/s",
+    "spread",
+];
+
+/// The cells of [`OUTCOME_COLUMNS`] for one policy's report.
+fn outcome_cells(r: &PolicyReport) -> [String; 7] {
+    [
+        r.duplicate_copies.to_string(),
+        r.evictions.to_string(),
+        format!("{:.3}s", r.ttft_p50_s),
+        format!("{:.3}s", r.ttft_p90_s),
+        format!("{:.3}s", r.ttft_p99_s),
+        format!("{:.3}", r.throughput_rps),
+        format!("{:.3}", r.load_spread),
+    ]
+}
+
 /// Human-readable tables: metrics, then the decision mix.
 pub fn to_table(reports: &[PolicyReport]) -> String {
     let mut out = String::new();
-    let header = [
-        "policy",
-        "hit",
-        "ideal",
-        "dup_copies",
-        "evictions",
-        "ttft_p50",
-        "ttft_p90",
-        "ttft_p99",
-        "req/s",
-        "spread",
-        "max/mean",
-        "turn_moves",
-    ];
+    let mut header = vec!["policy", "hit", "ideal"];
+    header.extend(OUTCOME_COLUMNS);
+    header.extend(["max/mean", "turn_moves"]);
     let rows: Vec<Vec<String>> = reports
         .iter()
         .map(|r| {
-            vec![
+            let mut row = vec![
                 r.policy.as_str().to_string(),
                 format!("{:.3}", r.prefix_hit_ratio),
                 format!("{:.3}", r.ideal_hit_ratio),
-                r.duplicate_copies.to_string(),
-                r.evictions.to_string(),
-                format!("{:.3}s", r.ttft_p50_s),
-                format!("{:.3}s", r.ttft_p90_s),
-                format!("{:.3}s", r.ttft_p99_s),
-                format!("{:.3}", r.throughput_rps),
-                format!("{:.3}", r.load_spread),
-                format!("{:.2}", r.load_max_over_mean),
-                if r.follow_ups > 0 {
-                    format!(
-                        "{:.1}%",
-                        100.0 * r.follow_up_moves as f64 / r.follow_ups as f64
-                    )
-                } else {
-                    "-".to_string()
-                },
-            ]
+            ];
+            row.extend(outcome_cells(r));
+            row.push(format!("{:.2}", r.load_max_over_mean));
+            row.push(if r.follow_ups > 0 {
+                format!(
+                    "{:.1}%",
+                    100.0 * r.follow_up_moves as f64 / r.follow_ups as f64
+                )
+            } else {
+                "-".to_string()
+            });
+            row
         })
         .collect();
     write_table(&mut out, &header, &rows);
@@ -183,36 +192,21 @@ pub fn decision_mix(report: &PolicyReport) -> String {
 /// One table for a sweep: a row per (value, policy), the swept value first.
 pub fn sweep_to_table(flag: &str, runs: &[(String, Vec<PolicyReport>)]) -> String {
     let mut out = String::new();
-    let header = [
-        flag,
-        "policy",
-        "hit",
-        "dup_copies",
-        "evictions",
-        "ttft_p50",
-        "ttft_p90",
-        "ttft_p99",
-        "req/s",
-        "spread",
-        "decisions",
-    ];
+    let mut header = vec![flag, "policy", "hit"];
+    header.extend(OUTCOME_COLUMNS);
+    header.push("decisions");
     let rows: Vec<Vec<String>> = runs
         .iter()
         .flat_map(|(value, reports)| {
             reports.iter().map(move |r| {
-                vec![
+                let mut row = vec![
                     value.clone(),
                     r.policy.as_str().to_string(),
                     format!("{:.3}", r.prefix_hit_ratio),
-                    r.duplicate_copies.to_string(),
-                    r.evictions.to_string(),
-                    format!("{:.3}s", r.ttft_p50_s),
-                    format!("{:.3}s", r.ttft_p90_s),
-                    format!("{:.3}s", r.ttft_p99_s),
-                    format!("{:.3}", r.throughput_rps),
-                    format!("{:.3}", r.load_spread),
-                    decision_mix(r),
-                ]
+                ];
+                row.extend(outcome_cells(r));
+                row.push(decision_mix(r));
+                row
             })
         })
         .collect();
