@@ -41,39 +41,73 @@ fn help_entry<'a>(help: &'a str, flag: &str) -> Option<String> {
     Some(entry.join(" "))
 }
 
+/// The README's flag table: each flag with the default the README gives it. Rows like
+/// `` `--a` / `--b` + `--c` `` with defaults `x / y` give `--a` the default `x` and both `--b`
+/// and `--c` the default `y`; a single default applies to every flag of its row.
+fn readme_flags() -> Vec<(String, String)> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md is readable");
+    let table = readme
+        .split_once("| flag | default | meaning |")
+        .expect("the README has the flag table")
+        .1;
+    let mut flags = Vec::new();
+    for row in table.lines().skip(2).take_while(|l| l.starts_with('|')) {
+        let cells: Vec<&str> = row.split(" | ").collect();
+        let (names, defaults) = (cells[0].trim_start_matches("| "), cells[1]);
+        let groups: Vec<&str> = names.split(" / ").collect();
+        let defaults: Vec<&str> = defaults.split(" / ").collect();
+        for (i, group) in groups.iter().enumerate() {
+            let default = if defaults.len() == groups.len() {
+                defaults[i]
+            } else {
+                defaults[0]
+            };
+            for name in group.split(" + ") {
+                let flag = name.trim().trim_matches('`');
+                let flag = flag.split_whitespace().next().unwrap_or(flag); // `--flag NAME=SIZE`
+                assert!(
+                    flag.starts_with("--"),
+                    "a README flag cell names flags: {row}"
+                );
+                flags.push((
+                    flag.to_string(),
+                    default.trim().trim_matches('`').to_string(),
+                ));
+            }
+        }
+    }
+    flags
+}
+
+/// A default as `--help` prints it: sizes in bytes, no digit grouping.
+fn as_help_prints_it(default: &str) -> String {
+    let plain = default.replace(',', "");
+    for (unit, shift) in [(" GiB", 30), (" MiB", 20)] {
+        if let Some(n) = plain.strip_suffix(unit).and_then(|n| n.parse::<u64>().ok()) {
+            return (n << shift).to_string();
+        }
+    }
+    plain
+}
+
+/// The daemon's defaults are written once, in its flag definitions: `--help` shows them, and
+/// the README's flag table must say the same (checked here rather than restated).
 #[test]
-fn serve_help_lists_every_flag_of_the_design_with_its_default_and_environment_variable() {
+fn serve_help_documents_every_flag_of_the_readme_table_with_the_readme_default() {
     let mut cmd = kvrouted();
     cmd.args(["serve", "--help"]);
     let (status, help, stderr) = run_to_exit(cmd);
     assert!(status.success(), "serve --help succeeds: {stderr}");
-    let flags = [
-        ("--nats-url", Some("nats://127.0.0.1:4222")),
-        ("--http-addr", Some("127.0.0.1:8080")),
-        ("--data-dir", Some("./kvrouted-data")),
-        ("--subject-prefix", Some("kv")),
-        ("--stream", Some("KVROUTED")),
-        ("--no-jetstream", None),
-        ("--block-size", Some("16")),
-        ("--policy", Some("pressure_first")),
-        ("--max-owners-per-prefix", Some("4")),
-        ("--spill-cooldown", Some("5s")),
-        ("--pressure-high-water", Some("0.90")),
-        ("--pressure-slack", Some("0.10")),
-        ("--telemetry-max-age", Some("30s")),
-        ("--min-match-blocks", Some("1")),
-        ("--min-match-ratio", Some("0.2")),
-        ("--ceiling-overflow-pressure", Some("off")),
-        ("--backlog-pressure-tokens", Some("65536")),
-        ("--approx-ttl", Some("120s")),
-        ("--reservation-ttl", Some("600s")),
-        ("--output-estimate", Some("4096")),
-        ("--worker-ttl", Some("60s")),
-        ("--config", None),
-    ];
+    let flags = readme_flags();
+    assert!(
+        flags.len() >= 40,
+        "the README table lists the daemon's flags ({} found)",
+        flags.len()
+    );
     for (flag, default) in flags {
-        let entry =
-            help_entry(&help, flag).unwrap_or_else(|| panic!("serve --help lists {flag}:\n{help}"));
+        let entry = help_entry(&help, &flag)
+            .unwrap_or_else(|| panic!("serve --help lists {flag}:\n{help}"));
         let env = format!(
             "[env: KVROUTED_{}=",
             flag.trim_start_matches('-')
@@ -85,18 +119,27 @@ fn serve_help_lists_every_flag_of_the_design_with_its_default_and_environment_va
             "{flag} names its environment variable {env}...]: {entry}"
         );
         let described = entry
-            .split_once(flag)
+            .split_once(flag.as_str())
             .map(|(_, rest)| rest.replace(['[', ']'], " "))
             .unwrap_or_default();
         assert!(
             described.split_whitespace().count() > 4,
             "{flag} is explained, not only listed: {entry}"
         );
-        if let Some(default) = default {
-            assert!(
-                entry.contains(&format!("[default: {default}]")),
-                "{flag} shows its default {default}: {entry}"
-            );
+        let shown = entry
+            .split_once("[default: ")
+            .map(|(_, rest)| rest.split(']').next().unwrap_or_default().to_string());
+        match (default.as_str(), shown) {
+            // No value, or a switch that is off unless given.
+            ("none", None) | ("off", None) => {}
+            (readme, Some(shown)) => assert_eq!(
+                as_help_prints_it(readme),
+                shown,
+                "the README's default of {flag} is the one --help shows: {entry}"
+            ),
+            (readme, None) => {
+                panic!("{flag}: the README says {readme}, --help shows no default: {entry}")
+            }
         }
     }
 }
