@@ -28,7 +28,7 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use kvrouted_testkit::engine::{EngineOptions, TestEngine};
-use kvrouted_testkit::{free_port, nats_server_bin, wait_for_port, Process};
+use kvrouted_testkit::{free_port, metric_at, nats_server_bin, wait_for_port, Process};
 use tempfile::TempDir;
 
 const BLOCKS_PER_BATCH: usize = 32;
@@ -104,20 +104,6 @@ fn start_bridge(
     (p, http)
 }
 
-async fn metric(client: &reqwest::Client, http: SocketAddr, series: &str) -> f64 {
-    let text = client
-        .get(format!("http://{http}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse().ok()))
-        .unwrap_or(0.0)
-}
-
 async fn stream_messages(js: &jetstream::Context) -> u64 {
     let mut s = js.get_stream("KVROUTED").await.unwrap();
     s.info().await.unwrap().state.messages
@@ -181,7 +167,7 @@ async fn main() {
             engine.publish(0, payloads[i as usize].clone()).await;
             i += 1;
             tokio::time::sleep(Duration::from_millis(20)).await;
-            if metric(&client, http, "kvrouted_bridge_forwarded_total{rank=\"0\"}").await
+            if metric_at(&client, http, "kvrouted_bridge_forwarded_total{rank=\"0\"}").await
                 >= i as f64
             {
                 break;
@@ -200,8 +186,8 @@ async fn main() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let took = start.elapsed();
-        let lost = metric(&client, http, "kvrouted_bridge_lost_total{rank=\"0\"}").await;
-        let replayed = metric(&client, http, "kvrouted_bridge_replayed_total{rank=\"0\"}").await;
+        let lost = metric_at(&client, http, "kvrouted_bridge_lost_total{rank=\"0\"}").await;
+        let replayed = metric_at(&client, http, "kvrouted_bridge_replayed_total{rank=\"0\"}").await;
         println!(
             "throughput  zmq -> bridge -> jetstream : {:>10.0} block events/s ({:>7.0} batches/s; engine sent all in {:.2}s, stream complete after {:.2}s; lost {lost}, replayed {replayed})",
             (n as usize * BLOCKS_PER_BATCH) as f64 / took.as_secs_f64(),

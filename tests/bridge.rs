@@ -10,7 +10,9 @@ use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer};
-use common::{eventually, free_port, kvrouted_command, prompt, Daemon, Nats, Process, DEADLINE};
+use common::{
+    eventually, free_port, kvrouted_command, metric_at, prompt, Daemon, Nats, Process, DEADLINE,
+};
 use futures::StreamExt;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use kvrouted_testkit::engine::{EngineOptions, TestEngine};
@@ -111,21 +113,7 @@ impl Bridge {
     }
 
     async fn metric(&self, series: &str) -> f64 {
-        let text = self
-            .client
-            .get(format!("http://{}/metrics", self.http))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(series)
-                    .and_then(|rest| rest.trim().parse().ok())
-            })
-            .unwrap_or(0.0)
+        metric_at(&self.client, self.http, series).await
     }
 
     async fn health(&self) -> Value {

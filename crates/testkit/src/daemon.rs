@@ -384,13 +384,7 @@ impl Daemon {
 
     /// The value of a Prometheus sample line, e.g. `kvrouted_inputs_rejected_total{reason="x"}`.
     pub async fn metric(&self, series: &str) -> f64 {
-        let (_, text) = self.get("/metrics").await;
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(series)
-                    .and_then(|rest| rest.trim().parse().ok())
-            })
-            .unwrap_or(0.0)
+        series_value(&self.get("/metrics").await.1, series)
     }
 
     /// `kvrouted_route_decisions_total{decision="<label>"}`.
@@ -497,6 +491,30 @@ impl Drop for Daemon {
 /// fail the next request for no reason of the test's.
 fn fresh_connections() -> reqwest::ClientBuilder {
     reqwest::Client::builder().pool_max_idle_per_host(0)
+}
+
+/// The value of `series` (a name with its labels, as printed) in Prometheus text; 0 when absent.
+pub fn series_value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+/// The value of `series` on the `/metrics` of a plain-HTTP process at `http` (a bridge, a
+/// daemon started by a bench); 0 when absent.
+pub async fn metric_at(client: &reqwest::Client, http: SocketAddr, series: &str) -> f64 {
+    let text = client
+        .get(format!("http://{http}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    series_value(&text, series)
 }
 
 /// Runs `kvrouted ARGS` to its exit; returns (success, exit code, stdout, stderr).

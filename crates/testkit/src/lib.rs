@@ -33,7 +33,9 @@ pub mod processes;
 pub mod worker;
 
 #[cfg(feature = "processes")]
-pub use daemon::{kvrouted, kvrouted_bin, kvrouted_command, plain, run_to_exit, Daemon};
+pub use daemon::{
+    kvrouted, kvrouted_bin, kvrouted_command, metric_at, plain, run_to_exit, series_value, Daemon,
+};
 #[cfg(feature = "processes")]
 pub use nats::Nats;
 #[cfg(feature = "processes")]
