@@ -26,7 +26,9 @@
 //! - [`config`]: command-line and file configuration.
 //! - [`nats_options`]: NATS url, credentials and TLS, shared by every command that connects.
 
-pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wire, workers};
+pub use kvrouted_core::{
+    hashing, index, input, policy, replicas, reservations, router, wire, workers,
+};
 
 pub mod bridge;
 pub mod config;
