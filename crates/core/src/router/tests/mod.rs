@@ -11,6 +11,7 @@ mod baselines;
 mod engines;
 mod events;
 mod policy;
+mod pools;
 mod replay;
 mod reservations;
 
