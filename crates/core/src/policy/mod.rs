@@ -269,9 +269,9 @@ pub struct RouteView<'a> {
     /// Tokens per block.
     pub block_size: u32,
     /// Known workers, in slot order: every one of them when `fleet` is `None`; otherwise at
-    /// least every worker with a match of the request on any tier (device, approximate, host,
-    /// disk) and the provisional owner of the longest match's prefix. A worker left out has no
-    /// match anywhere, so the policy only ever needs it as a member of a [`Pool`].
+    /// least every worker whose match reaches [`PolicyConfig::match_threshold`], every worker
+    /// with a lower-tier (host, disk) match, and the provisional owner of the longest match's
+    /// prefix. A worker left out matters to the policy only as a member of a [`Pool`].
     pub workers: &'a [WorkerView<'a>],
     /// The provisional owner recorded for a prefix key, if any.
     pub provisional: &'a dyn Fn(u64) -> Option<ProvisionalOwner>,

@@ -67,7 +67,6 @@ impl Router {
     }
 
     /// What the policy knows about one live rank for this request.
-    #[allow(clippy::too_many_arguments)]
     fn view_of<'a>(
         &self,
         scratch: &RouteScratch,
@@ -118,6 +117,7 @@ impl Router {
         }
         excluded.sort_unstable();
         excluded.dedup();
+        // Read-only from here until the route ends: views and the fleet borrow it.
         let scratch = scratch;
         let model = req.model.as_deref();
         let view_of = |slot: Slot| {
@@ -128,10 +128,17 @@ impl Router {
         // baselines see every worker.
         let sparse = self.config.policy.kind == PolicyKind::PressureFirst && !req.explain;
         let views: Vec<WorkerView> = if sparse {
+            // A match short of the threshold without a lower-tier match plays no part in the
+            // decision (a shared first block held by the whole fleet lists nobody).
+            let threshold = self.config.policy.match_threshold(req.keys.len());
             let mut views: Vec<WorkerView> = scratch
                 .touched()
                 .iter()
-                .filter(|&&slot| self.state.workers.get(slot).is_some())
+                .filter(|&&slot| {
+                    let (depth, host, disk) = scratch.depths(slot);
+                    (depth >= threshold || host > 0 || disk > 0)
+                        && self.state.workers.get(slot).is_some()
+                })
                 .map(|&slot| view_of(slot))
                 .collect();
             // The provisional owner of the longest match's prefix, which the policy may add to
