@@ -183,7 +183,10 @@ fn bulk_events<S: Subject>(stream: &Stream) -> u64 {
                 );
             }
             Op::Remove { worker, start, len } => {
-                ns += subject.remove(worker, &stream.removed[start as usize..(start + len) as usize]);
+                ns += subject.remove(
+                    worker,
+                    &stream.removed[start as usize..(start + len) as usize],
+                );
             }
         }
     }
@@ -302,7 +305,9 @@ fn run_subject(name: &str, stream: &Stream) -> Rep {
         "kvrouted-keys" => replay::<Kvrouted<true>>(stream),
         "dynamo-kv-router" => replay::<Dynamo>(stream),
         "dynamo-positional" => replay::<DynamoPositional>(stream),
-        "dynamo-positional-pool" => replay::<DynamoPool<dynamo_kv_router::PositionalIndexer>>(stream),
+        "dynamo-positional-pool" => {
+            replay::<DynamoPool<dynamo_kv_router::PositionalIndexer>>(stream)
+        }
         "dynamo-crtc-pool" => {
             replay::<DynamoPool<dynamo_kv_router::ConcurrentRadixTreeCompressed>>(stream)
         }

@@ -11,16 +11,14 @@ use kvrouted::input::{
 };
 use kvrouted::router::{Output, Router, RouterConfig};
 
+use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
+use dynamo_kv_router::nested_map::{LevelIndex, SearchMode};
+use dynamo_kv_router::protocols::WorkerWithDpRank;
 use dynamo_kv_router::protocols::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash,
 };
-use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
-use dynamo_kv_router::nested_map::{LevelIndex, SearchMode};
-use dynamo_kv_router::protocols::WorkerWithDpRank;
-use dynamo_kv_router::{
-    ConcurrentRadixTreeCompressed, PositionalIndexer, RadixTree, RouterEvent,
-};
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer, RadixTree, RouterEvent};
 use rustc_hash::FxHashMap;
 
 use kv_index::{ChainBlockMap, ChainIndex, SequenceHash};
