@@ -1,8 +1,12 @@
 //! Core benchmarks (issue 2): applying stored events (ns per block), routing a 1,024-block
-//! prompt across 64 workers (ns per decision), and bytes per (block, owner) index entry.
+//! prompt across 64 workers (ns per decision), routing across 100,000 worker slots (a held
+//! prefix, and a cold miss that draws from the whole fleet), and bytes per (block, owner) index
+//! entry.
 //!
 //! Run: `cargo bench --bench core`. The memory figure is printed first, from a counting
 //! allocator, as `index_bytes_per_entry`.
+
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, BatchSize, Criterion, Throughput};
 use kvrouted::hashing::chain_locals;
@@ -89,6 +93,83 @@ fn apply_stored_events(c: &mut Criterion) {
     group.finish();
 }
 
+/// Times route decisions of `request`, releasing each reservation (untimed) before the next
+/// so reserved work stays bounded.
+fn time_routes(router: &mut Router, seq: &mut u64, request: &RouteRequest, iters: u64) -> Duration {
+    let mut timed = Duration::ZERO;
+    for _ in 0..iters {
+        *seq += 1;
+        router.apply(&stamp(
+            *seq,
+            Input::Release {
+                reservation: *seq - 1,
+                phase: None,
+            },
+        ));
+        *seq += 1;
+        let input = stamp(*seq, Input::Route(request.clone()));
+        let start = Instant::now();
+        std::hint::black_box(router.apply(&input));
+        timed += start.elapsed();
+    }
+    timed
+}
+
+fn load(w: usize, kv_usage: f64) -> Input {
+    Input::Load(LoadSample {
+        worker: worker(w),
+        kv_usage,
+        running: 4,
+        waiting: 0,
+        max_running: Some(64),
+        model: None,
+        dp_rank: 0,
+    })
+}
+
+fn request(keys: Vec<u64>) -> RouteRequest {
+    RouteRequest {
+        model: None,
+        lora: None,
+        prompt_tokens: keys.len() as u64 * BLOCK as u64,
+        keys,
+        max_output_tokens: Some(256),
+        exclude: vec![],
+        request_id: None,
+        explain: false,
+    }
+}
+
+/// A fleet of 100,000 worker slots, each with a load sample (a tenth of them above
+/// high_water), two of which hold a 64-block prompt: a route's cost must follow the owners and
+/// the sampled candidates, not the fleet.
+fn route_large_fleet(c: &mut Criterion) {
+    const SLOTS: usize = 100_000;
+    let mut router = Router::new(config());
+    let mut seq = 0;
+    for w in 0..SLOTS {
+        seq += 1;
+        router.apply(&stamp(seq, load(w, if w % 10 == 0 { 0.95 } else { 0.5 })));
+    }
+    for w in [11, 77_777] {
+        for part in 0..2 {
+            seq += 1;
+            router.apply(&stamp(seq, stored_batch(w, 1, part)));
+        }
+    }
+    let held = request(chain_locals((0..64).map(|i| (1u64 << 20) | i)));
+    let cold = request(chain_locals((0..64).map(|i| (9u64 << 20) | i)));
+    let mut group = c.benchmark_group("route");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("64_blocks_100000_slots_owner_hold", |b| {
+        b.iter_custom(|iters| time_routes(&mut router, &mut seq, &held, iters));
+    });
+    group.bench_function("64_blocks_100000_slots_cold_miss", |b| {
+        b.iter_custom(|iters| time_routes(&mut router, &mut seq, &cold, iters));
+    });
+    group.finish();
+}
+
 fn route_long_prompt(c: &mut Criterion) {
     let mut router = Router::new(config());
     let mut seq = 0;
@@ -100,62 +181,27 @@ fn route_long_prompt(c: &mut Criterion) {
             router.apply(&stamp(seq, stored_batch(w, 100 + w as u64, part)));
         }
         seq += 1;
-        router.apply(&stamp(
-            seq,
-            Input::Load(LoadSample {
-                worker: worker(w),
-                kv_usage: 0.5,
-                running: 4,
-                waiting: 0,
-                max_running: Some(64),
-                model: None,
-                dp_rank: 0,
-            }),
-        ));
+        router.apply(&stamp(seq, load(w, 0.5)));
     }
     for part in 0..1024 / BATCH_BLOCKS {
         seq += 1;
         router.apply(&stamp(seq, stored_batch(7, 1, part)));
     }
-    let keys = chain_locals((0..1024).map(|i| (1u64 << 20) | i));
-    let request = RouteRequest {
-        model: None,
-        lora: None,
-        keys,
-        prompt_tokens: 1024 * BLOCK as u64,
-        max_output_tokens: Some(256),
-        exclude: vec![],
-        request_id: None,
-        explain: false,
-    };
+    let request = request(chain_locals((0..1024).map(|i| (1u64 << 20) | i)));
     let mut group = c.benchmark_group("route");
     group.throughput(Throughput::Elements(1));
     group.bench_function("1024_blocks_64_workers", |b| {
-        b.iter_custom(|iters| {
-            let mut timed = std::time::Duration::ZERO;
-            for _ in 0..iters {
-                // Release the previous reservation so reserved work stays bounded (not timed).
-                seq += 1;
-                router.apply(&stamp(
-                    seq,
-                    Input::Release {
-                        reservation: seq - 1,
-                        phase: None,
-                    },
-                ));
-                seq += 1;
-                let input = stamp(seq, Input::Route(request.clone()));
-                let start = std::time::Instant::now();
-                std::hint::black_box(router.apply(&input));
-                timed += start.elapsed();
-            }
-            timed
-        });
+        b.iter_custom(|iters| time_routes(&mut router, &mut seq, &request, iters));
     });
     group.finish();
 }
 
-criterion_group!(benches, apply_stored_events, route_long_prompt);
+criterion_group!(
+    benches,
+    apply_stored_events,
+    route_long_prompt,
+    route_large_fleet
+);
 
 fn main() {
     // Hash tables grow by doubling, so the figure depends on where the size falls between two

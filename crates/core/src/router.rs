@@ -10,7 +10,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::index::{ApproxIndex, IndexStats, LowerTiers, Namespaces, NsId, OwnerIndex, Slot};
@@ -18,7 +18,9 @@ use crate::input::{
     Input, KvEvent, KvEventBatch, Lifecycle, LifecycleOp, LoadSample, Medium, RejectReason,
     Rejection, RouteRequest, Stamped, WorkerId, MAX_SEQ_JUMP,
 };
-use crate::policy::{self, PolicyConfig, PolicyState, ProvisionalOwner, RouteView, WorkerView};
+use crate::policy::{
+    self, PolicyConfig, PolicyKind, PolicyState, ProvisionalOwner, RouteView, WorkerView,
+};
 use crate::reservations::Reservations;
 use crate::workers::{SeqCheck, WorkerState, Workers};
 
@@ -122,6 +124,8 @@ pub struct RouterState {
 pub struct Router {
     config: RouterConfig,
     state: RouterState,
+    /// Route scratch and the fleet's candidate pools: derived from `state`, never saved.
+    scratch: pools::RouteScratch,
 }
 
 impl Router {
@@ -142,6 +146,7 @@ impl Router {
                 last_seq: 0,
                 peers: PeerState::default(),
             },
+            scratch: Default::default(),
         }
     }
 
@@ -149,7 +154,11 @@ impl Router {
     pub fn from_state(config: RouterConfig, mut state: RouterState) -> Self {
         state.workers.rebuild();
         state.namespaces.rebuild();
-        Router { config, state }
+        Router {
+            config,
+            state,
+            scratch: Default::default(),
+        }
     }
 
     pub fn state(&self) -> &RouterState {
@@ -163,6 +172,8 @@ impl Router {
     /// Takes new settings. A smaller approximate-record bound applies as records are written.
     pub fn configure(&mut self, config: RouterConfig) {
         self.state.approx.set_max_records(config.approx_max_records);
+        // The pools count by the policy's settings (high_water, telemetry age, backlog).
+        self.scratch.pools.invalidate();
         self.config = config;
     }
 
@@ -353,6 +364,7 @@ impl Router {
 mod ingest;
 mod output;
 mod peers;
+mod pools;
 mod route;
 #[cfg(test)]
 mod tests;

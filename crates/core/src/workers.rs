@@ -164,6 +164,12 @@ pub struct Workers {
     /// Departure time per departed id (mirror of `departed.order`).
     #[serde(skip)]
     departed_at: FxHashMap<WorkerId, u64>,
+    /// Ranks that may have changed since the router last took them ([`Workers::take_changed`]),
+    /// each once: what keeps its candidate pools current without scanning the fleet.
+    #[serde(skip)]
+    changed: Vec<Slot>,
+    #[serde(skip)]
+    is_changed: Vec<bool>,
 }
 
 impl Workers {
@@ -186,6 +192,7 @@ impl Workers {
             }
         };
         if self.slots[slot as usize].is_none() {
+            self.mark_changed(slot);
             let template = sibling.and_then(|s| self.get(s)).cloned();
             let worker = match template {
                 Some(t) => Worker {
@@ -259,12 +266,34 @@ impl Workers {
     }
 
     pub fn get_mut(&mut self, slot: Slot) -> Option<&mut Worker> {
+        self.mark_changed(slot);
         self.slots.get_mut(slot as usize).and_then(Option::as_mut)
     }
 
     /// Forgets a worker rank (leave or age-out). Its slot stays reserved for its (id, rank).
     pub fn remove(&mut self, slot: Slot) -> Option<Worker> {
+        self.mark_changed(slot);
         self.slots.get_mut(slot as usize).and_then(Option::take)
+    }
+
+    /// Notes that the rank of `slot` may have changed (every mutable access goes through here).
+    fn mark_changed(&mut self, slot: Slot) {
+        let i = slot as usize;
+        if i >= self.is_changed.len() {
+            self.is_changed.resize(self.slots.len().max(i + 1), false);
+        }
+        if !self.is_changed[i] {
+            self.is_changed[i] = true;
+            self.changed.push(slot);
+        }
+    }
+
+    /// Moves the ranks changed since the last call into `into`, each once.
+    pub fn take_changed(&mut self, into: &mut Vec<Slot>) {
+        for &slot in &self.changed {
+            self.is_changed[slot as usize] = false;
+        }
+        into.append(&mut self.changed);
     }
 
     /// Known worker ranks in slot order (deterministic).
@@ -276,6 +305,9 @@ impl Workers {
     }
 
     pub fn iter_mut(&mut self) -> impl Iterator<Item = (Slot, &mut Worker)> {
+        for slot in 0..self.slots.len() {
+            self.mark_changed(slot as Slot);
+        }
         self.slots
             .iter_mut()
             .enumerate()

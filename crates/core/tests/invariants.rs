@@ -12,7 +12,9 @@
 //!   the same outputs and the same state;
 //! - a peer replica's routes, spills and releases (`Input::Peer`) mixed into the journal keep
 //!   all of the above, and never make the router publish an event of its own (no echo), while
-//!   each local route and found release gives exactly one.
+//!   each local route and found release gives exactly one;
+//! - a route decided on the matched workers and the fleet's candidate pools (the normal path)
+//!   picks what a view of every worker (an explained route) picks.
 
 use kvrouted_core::hashing::chain_locals;
 use kvrouted_core::input::{
@@ -445,6 +447,27 @@ fn run() -> impl Strategy<Value = (Vec<Stamped>, usize)> {
         .prop_map(|(steps, max_owners)| (journal(&steps), max_owners))
 }
 
+/// The journal with every route's `explain` set to `explain`.
+fn explained(journal: &[Stamped], explain: bool) -> Vec<Stamped> {
+    let mut journal = journal.to_vec();
+    for stamped in &mut journal {
+        if let Input::Route(req) = &mut stamped.input {
+            req.explain = explain;
+        }
+    }
+    journal
+}
+
+/// Outputs without their explain rows.
+fn unexplained(mut outputs: Vec<Output>) -> Vec<Output> {
+    for output in &mut outputs {
+        if let Output::Routed(decision) = output {
+            decision.explain = None;
+        }
+    }
+    outputs
+}
+
 fn encoded_state(router: &Router) -> Vec<u8> {
     rmp_serde::to_vec(router.state()).expect("the state serializes")
 }
@@ -474,6 +497,30 @@ proptest! {
             prop_assert!(
                 encoded_state(&first) == encoded_state(&second),
                 "{}: the same journal gave a different state", kind
+            );
+        }
+    }
+
+    #[test]
+    fn routes_on_matched_workers_and_pools_decide_as_a_view_of_every_worker(
+        (journal, max_owners) in run(),
+    ) {
+        for kind in PolicyKind::ALL {
+            let config = config(kind, max_owners);
+            // The explained run is checked against every rule; the other must agree with it.
+            let mut pooled = Router::new(config.clone());
+            let pooled_outputs: Vec<Output> = explained(&journal, false)
+                .iter()
+                .map(|stamped| pooled.apply(stamped))
+                .collect();
+            let (scanned, scanned_outputs) = run_checked(&config, &explained(&journal, true));
+            prop_assert_eq!(
+                unexplained(pooled_outputs), unexplained(scanned_outputs),
+                "{}: a route without explain rows decided otherwise than with them", kind
+            );
+            prop_assert!(
+                encoded_state(&pooled) == encoded_state(&scanned),
+                "{}: explain rows changed the state", kind
             );
         }
     }

@@ -9,10 +9,11 @@ use rand::Rng;
 
 use super::{
     best_by, by_reserved_work, longest_match, no_owner_label, positions, power_of_two, Choice,
-    DecisionLabel, PolicyConfig, PolicyState, RouteView, WorkerView,
+    DecisionLabel, Draw, PolicyConfig, PolicyState, RouteView, WorkerView,
 };
 
-/// Labels a baseline's pick with the label pressure-first would give the same situation.
+/// Labels a baseline's pick (a position in the view's workers, which baselines always see in
+/// full) with the label pressure-first would give the same situation.
 fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
     let (owners, _) = longest_match(config, view).unwrap_or_default();
     let label = if owners.contains(&worker) {
@@ -23,12 +24,27 @@ fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
         no_owner_label(config, view)
     };
     Choice {
-        worker,
+        slot: view.workers[worker].slot,
         label,
         matched_blocks: view.workers[worker].depth,
         known_owners: owners,
         spilled_prefix: None,
     }
+}
+
+/// Power-of-two choices among listed candidates, as a position in the view's workers.
+fn drawn(
+    config: &PolicyConfig,
+    view: &RouteView,
+    candidates: &[usize],
+    rng: &mut impl Rng,
+) -> usize {
+    let (slot, _) = power_of_two(config, view, Draw::Listed(candidates), rng);
+    candidates
+        .iter()
+        .copied()
+        .find(|&i| view.workers[i].slot == slot)
+        .expect("the drawn worker is a candidate")
 }
 
 /// Fewest outstanding requests, then least reserved work, then id.
@@ -96,7 +112,7 @@ pub fn p2c(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Optio
     if candidates.is_empty() {
         return None;
     }
-    let worker = power_of_two(view, &candidates, rng);
+    let worker = drawn(config, view, &candidates, rng);
     Some(labelled(config, view, worker))
 }
 
@@ -113,7 +129,7 @@ pub fn longest_prefix(
     }
     let worker = match longest_match(config, view) {
         Some((owners, _)) => best_by(view, &owners, by_reserved_work),
-        None => power_of_two(view, &candidates, rng),
+        None => drawn(config, view, &candidates, rng),
     };
     Some(labelled(config, view, worker))
 }

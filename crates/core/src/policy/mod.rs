@@ -268,16 +268,101 @@ pub struct RouteView<'a> {
     pub prompt_tokens: u64,
     /// Tokens per block.
     pub block_size: u32,
-    /// Every known worker, in slot order.
+    /// Known workers, in slot order: every one of them when `fleet` is `None`; otherwise at
+    /// least every worker whose match reaches [`PolicyConfig::match_threshold`], every worker
+    /// with a lower-tier (host, disk) match, and the provisional owner of the longest match's
+    /// prefix. A worker left out matters to the policy only as a member of a [`Pool`].
     pub workers: &'a [WorkerView<'a>],
     /// The provisional owner recorded for a prefix key, if any.
     pub provisional: &'a dyn Fn(u64) -> Option<ProvisionalOwner>,
+    /// The whole fleet's pools, when `workers` does not list every worker: the router keeps
+    /// them current as workers change, so a decision costs the matched owners and the sampled
+    /// candidates, not the size of the fleet.
+    pub fleet: Option<&'a dyn Fleet<'a>>,
 }
 
-/// A policy's decision. Worker positions index [`RouteView::workers`].
+/// A set of candidates a policy draws from, in slot order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    Candidates,
+    /// Candidates not above high_water; missing or stale telemetry counts as not above.
+    Cool,
+    /// Candidates with fresh telemetry at or below high_water.
+    Safe,
+}
+
+impl Pool {
+    /// Whether `w` belongs to the pool: the one definition both the listed and the fleet form
+    /// follow.
+    pub fn admits(self, config: &PolicyConfig, w: &WorkerView) -> bool {
+        w.candidate
+            && match self {
+                Pool::Candidates => true,
+                Pool::Cool => w.pressure.is_none_or(|p| p <= config.high_water),
+                Pool::Safe => w.pressure.is_some_and(|p| p <= config.high_water),
+            }
+    }
+}
+
+/// The fleet behind a [`RouteView`] that lists only the workers that matched. Members are
+/// counted and drawn in slot order, exactly as a scan of every worker would list them, so a
+/// draw picks the same worker either way.
+pub trait Fleet<'a> {
+    /// Members of `pool` other than the slots in `minus` (ascending; slots that are not
+    /// members are ignored).
+    fn count(&self, pool: Pool, minus: &[Slot]) -> usize;
+    /// The `k`-th (from 0) member of `pool` other than the slots in `minus`, in slot order.
+    fn nth(&self, pool: Pool, k: usize, minus: &[Slot]) -> Slot;
+    /// What the policy knows about one worker rank, as it would appear in `workers`.
+    fn view(&self, slot: Slot) -> WorkerView<'a>;
+}
+
+/// Who a power-of-two draw picks from: listed workers (positions in [`RouteView::workers`]),
+/// or a pool of the whole fleet less some slots.
+pub(crate) enum Draw<'p> {
+    Listed(&'p [usize]),
+    Pool { pool: Pool, minus: &'p [Slot] },
+}
+
+impl RouteView<'_> {
+    /// Members of `pool` other than the slots in `minus`: from the fleet, or by scanning every
+    /// listed worker when the view lists them all.
+    pub(crate) fn pool_count(&self, config: &PolicyConfig, pool: Pool, minus: &[Slot]) -> usize {
+        match self.fleet {
+            Some(fleet) => fleet.count(pool, minus),
+            None => self
+                .workers
+                .iter()
+                .filter(|w| pool.admits(config, w) && !minus.contains(&w.slot))
+                .count(),
+        }
+    }
+
+    fn pool_nth<'v>(
+        &'v self,
+        config: &PolicyConfig,
+        pool: Pool,
+        k: usize,
+        minus: &[Slot],
+    ) -> std::borrow::Cow<'v, WorkerView<'v>> {
+        match self.fleet {
+            Some(fleet) => std::borrow::Cow::Owned(fleet.view(fleet.nth(pool, k, minus))),
+            None => std::borrow::Cow::Borrowed(
+                self.workers
+                    .iter()
+                    .filter(|w| pool.admits(config, w) && !minus.contains(&w.slot))
+                    .nth(k)
+                    .expect("k is below the pool's count"),
+            ),
+        }
+    }
+}
+
+/// A policy's decision. Owner positions index [`RouteView::workers`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
-    pub worker: usize,
+    /// The chosen worker rank (it may be one drawn from [`RouteView::fleet`], not listed).
+    pub slot: Slot,
     pub label: DecisionLabel,
     pub matched_blocks: u32,
     pub known_owners: Vec<usize>,
@@ -398,18 +483,38 @@ pub(crate) fn deepest_lower_tier(view: &RouteView, pool: &[usize]) -> Vec<usize>
 }
 
 /// Size-aware power-of-two choices: two distinct random members of `pool`, the one with less
-/// reserved work wins. `pool` must not be empty.
-pub(crate) fn power_of_two(view: &RouteView, pool: &[usize], rng: &mut impl Rng) -> usize {
-    match pool.len() {
+/// reserved work wins (the first drawn on a tie). Returns the chosen worker's slot and depth.
+/// `pool` must not be empty.
+pub(crate) fn power_of_two(
+    config: &PolicyConfig,
+    view: &RouteView,
+    pool: Draw,
+    rng: &mut impl Rng,
+) -> (Slot, u32) {
+    let n = match pool {
+        Draw::Listed(listed) => listed.len(),
+        Draw::Pool { pool, minus } => view.pool_count(config, pool, minus),
+    };
+    let member = |k: usize| match pool {
+        Draw::Listed(listed) => std::borrow::Cow::Borrowed(&view.workers[listed[k]]),
+        Draw::Pool { pool, minus } => view.pool_nth(config, pool, k, minus),
+    };
+    let chosen = match n {
         0 => panic!("power_of_two needs a non-empty pool"),
-        1 => pool[0],
+        1 => member(0),
         n => {
             let a = rng.random_range(0..n);
             let mut b = rng.random_range(0..n - 1);
             if b >= a {
                 b += 1;
             }
-            best_by(view, &[pool[a], pool[b]], by_reserved_work)
+            let (a, b) = (member(a), member(b));
+            if by_reserved_work(&a, &b) == Ordering::Greater {
+                b
+            } else {
+                a
+            }
         }
-    }
+    };
+    (chosen.slot, chosen.depth)
 }

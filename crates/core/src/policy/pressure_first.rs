@@ -9,15 +9,16 @@
 
 use rand::Rng;
 
+use crate::index::Slot;
+
 use super::{
     best_by, by_pressure, by_reserved_work, deepest_lower_tier, longest_match, no_owner_label,
-    positions, power_of_two, Choice, DecisionLabel, PolicyConfig, RouteView,
+    power_of_two, Choice, DecisionLabel, Draw, PolicyConfig, Pool, RouteView,
 };
 
 pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Option<Choice> {
     // 1. Candidates: known workers that are not draining, removed or excluded. None → 503.
-    let candidates = positions(view, |w| w.candidate);
-    if candidates.is_empty() {
+    if view.pool_count(config, Pool::Candidates, &[]) == 0 {
         return None;
     }
 
@@ -26,7 +27,7 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
     //    at that depth.
     let Some((mut known_owners, depth)) = longest_match(config, view) else {
         // 7. No owner: a cold miss, or owners that exist but are all unavailable.
-        return Some(no_owner(config, view, &candidates, rng));
+        return Some(no_owner(config, view, rng));
     };
     let prefix = view.keys[depth as usize - 1];
 
@@ -46,13 +47,14 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
         }
     }
     // matched_blocks is the chosen worker's own depth, so a spill never claims reuse.
-    let choice = |worker: usize, label, spilled_prefix| Choice {
-        worker,
+    let choice = |(slot, matched_blocks): (Slot, u32), label, spilled_prefix| Choice {
+        slot,
         label,
-        matched_blocks: view.workers[worker].depth,
+        matched_blocks,
         known_owners: known_owners.clone(),
         spilled_prefix,
     };
+    let listed = |i: usize| (view.workers[i].slot, view.workers[i].depth);
 
     // 4. Hold on a suitable owner. An owner is pressured when its fresh pressure is above
     //    min(best owner pressure + slack, high_water); missing or stale telemetry is never
@@ -74,21 +76,39 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
         .collect();
     if !unpressured.is_empty() {
         let worker = best_by(view, &unpressured, by_reserved_work);
-        return Some(choice(worker, DecisionLabel::OwnerHold, None));
+        return Some(choice(listed(worker), DecisionLabel::OwnerHold, None));
     }
-    let least_pressured_owner = best_by(view, &known_owners, by_pressure);
+    let least_pressured_owner = listed(best_by(view, &known_owners, by_pressure));
 
     // A safe home: a candidate that is not a known owner, with fresh telemetry at or below
-    // high_water; those with the deepest lower-tier match of the prefix come first.
-    let safe_homes = || {
-        let safe = positions(view, |w| {
-            w.candidate && w.pressure.is_some_and(|p| p <= config.high_water)
-        });
-        let safe: Vec<usize> = safe
-            .into_iter()
-            .filter(|i| !known_owners.contains(i))
+    // high_water; those with the deepest lower-tier match of the prefix come first. Only listed
+    // workers have a lower-tier match; without one, every safe non-owner of the fleet is a home.
+    let mut owner_slots: Vec<Slot> = known_owners.iter().map(|&i| view.workers[i].slot).collect();
+    owner_slots.sort_unstable();
+    // Some(reloaders) if there is a home; no reloaders means the whole pool of safe non-owners.
+    let safe_homes = || -> Option<Vec<usize>> {
+        let reloaders: Vec<usize> = (0..view.workers.len())
+            .filter(|&i| {
+                Pool::Safe.admits(config, &view.workers[i])
+                    && view.workers[i].lower_tier_depth() > 0
+                    && !known_owners.contains(&i)
+            })
             .collect();
-        deepest_lower_tier(view, &safe)
+        if !reloaders.is_empty() {
+            return Some(deepest_lower_tier(view, &reloaders));
+        }
+        (view.pool_count(config, Pool::Safe, &owner_slots) > 0).then(Vec::new)
+    };
+    let home_of = |reloaders: Vec<usize>, rng: &mut _| {
+        if reloaders.is_empty() {
+            let pool = Draw::Pool {
+                pool: Pool::Safe,
+                minus: &owner_slots,
+            };
+            power_of_two(config, view, pool, rng)
+        } else {
+            power_of_two(config, view, Draw::Listed(&reloaders), rng)
+        }
     };
 
     // 6. At the ceiling the router creates no new owner. (Authoritative owners beyond it are
@@ -101,9 +121,8 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
                 .all(|&i| view.workers[i].pressure.is_some_and(|p| p > x))
         });
         if overloaded && provisional.is_none() {
-            let homes = safe_homes();
-            if !homes.is_empty() {
-                let home = power_of_two(view, &homes, rng);
+            if let Some(homes) = safe_homes() {
+                let home = home_of(homes, rng);
                 return Some(choice(home, DecisionLabel::OverloadSpill, Some(prefix)));
             }
         }
@@ -124,61 +143,44 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
             None,
         ));
     }
-    let safe_homes = safe_homes();
-    if safe_homes.is_empty() {
+    let Some(homes) = safe_homes() else {
         return Some(choice(
             least_pressured_owner,
             DecisionLabel::NoSafeHomeHold,
             None,
         ));
-    }
-    let home = power_of_two(view, &safe_homes, rng);
+    };
+    let home = home_of(homes, rng);
     Some(choice(home, DecisionLabel::PressureSpill, Some(prefix)))
 }
 
 /// Step 7: size-aware power-of-two choices over candidates, preferring those not above
 /// high_water, and among the safe ones (fresh telemetry at or below high_water) those with the
 /// deepest lower-tier match; `owner_unavailable` when owners exist but none is a candidate.
-pub(crate) fn no_owner(
-    config: &PolicyConfig,
-    view: &RouteView,
-    candidates: &[usize],
-    rng: &mut impl Rng,
-) -> Choice {
-    let cool: Vec<usize> = candidates
-        .iter()
-        .copied()
+pub(crate) fn no_owner(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Choice {
+    let pool = if view.pool_count(config, Pool::Cool, &[]) > 0 {
+        Pool::Cool
+    } else {
+        Pool::Candidates
+    };
+    // Safe members of the pool with a lower-tier match; only listed workers have one. (When no
+    // candidate is cool, none is safe either.)
+    let reloaders: Vec<usize> = (0..view.workers.len())
         .filter(|&i| {
-            view.workers[i]
-                .pressure
-                .is_none_or(|p| p <= config.high_water)
+            let w = &view.workers[i];
+            pool.admits(config, w) && Pool::Safe.admits(config, w) && w.lower_tier_depth() > 0
         })
         .collect();
-    let pool = if cool.is_empty() { candidates } else { &cool };
-    let safe: Vec<usize> = pool
-        .iter()
-        .copied()
-        .filter(|&i| {
-            view.workers[i]
-                .pressure
-                .is_some_and(|p| p <= config.high_water)
-        })
-        .collect();
-    let reloaders = if safe.iter().any(|&i| view.workers[i].lower_tier_depth() > 0) {
-        deepest_lower_tier(view, &safe)
+    let (slot, matched_blocks) = if reloaders.is_empty() {
+        power_of_two(config, view, Draw::Pool { pool, minus: &[] }, rng)
     } else {
-        Vec::new()
+        let deepest = deepest_lower_tier(view, &reloaders);
+        power_of_two(config, view, Draw::Listed(&deepest), rng)
     };
-    let pool = if reloaders.is_empty() {
-        pool
-    } else {
-        &reloaders
-    };
-    let worker = power_of_two(view, pool, rng);
     Choice {
-        worker,
+        slot,
         label: no_owner_label(config, view),
-        matched_blocks: view.workers[worker].depth,
+        matched_blocks,
         known_owners: Vec::new(),
         spilled_prefix: None,
     }

@@ -91,10 +91,11 @@ fn decide_with(
         block_size: BLOCK,
         workers: &vs,
         provisional: &lookup,
+        fleet: None,
     };
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let choice = decide(config, &mut PolicyState::default(), &view, &mut rng).expect("a choice");
-    (workers[choice.worker].id.to_string(), choice)
+    (workers[choice.slot as usize].id.to_string(), choice)
 }
 
 fn decided(config: &PolicyConfig, workers: &[W], prompt_blocks: u64) -> (String, DecisionLabel) {
@@ -322,6 +323,7 @@ fn dynamo_cost_is_uncached_prefill_blocks_plus_decode_blocks_with_tiered_overlap
         block_size: BLOCK,
         workers: &vs,
         provisional: &none,
+        fleet: None,
     };
     assert_eq!(dynamo_cost_of(&view, &vs[0]), 2.0 + 10.0);
     assert_eq!(dynamo_cost_of(&view, &vs[1]), 24.0 + 40.0);
@@ -331,7 +333,7 @@ fn dynamo_cost_is_uncached_prefill_blocks_plus_decode_blocks_with_tiered_overlap
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let choice = decide(&config, &mut PolicyState::default(), &view, &mut rng).unwrap();
-    assert_eq!(choice.worker, 0, "the lowest cost wins");
+    assert_eq!(choice.slot, 0, "the lowest cost wins");
 }
 
 #[test]

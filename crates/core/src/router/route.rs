@@ -1,43 +1,38 @@
 //! Routing one request: each candidate's matched depth on the device and lower tiers, the
 //! policy's decision, and its effects (reserved work, the router's own records, the provisional
 //! owner of a spill) inside the same transition.
+//!
+//! The normal path costs the matched owners and the sampled candidates, never the fleet: the
+//! walks write depths into reused per-rank rows and list the ranks they touched, the policy sees
+//! views of those ranks only, and power-of-two draws come from the fleet's pools
+//! ([`super::pools`]). Explain rows and the baseline policies still view every worker.
 
+use super::pools::{RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST};
 use super::*;
 use crate::replicas::PeerRoute;
+use crate::workers::Worker;
 
 impl Router {
-    /// Longest consecutive match of `keys` per worker slot: authoritative or fresh approximate,
-    /// whichever is deeper.
-    pub(super) fn depths(&self, ns: Option<NsId>, keys: &[u64], now: u64) -> Vec<u32> {
-        let mut depth = self.index_depths(&self.state.index, ns, keys);
+    /// Walks `keys` through device, approximate, host and disk ownership into `scratch`: each
+    /// rank's longest consecutive match per tier, and the ranks with any.
+    fn walk_depths(&self, scratch: &mut RouteScratch, ns: Option<NsId>, keys: &[u64], now: u64) {
+        scratch.prepare(self.state.workers.slot_count());
         let Some(ns) = ns else {
-            return depth;
+            return;
         };
-        let mut approx = vec![0u32; depth.len()];
-        self.state.approx.walk(ns, keys, now, |i, owners| {
-            extend_depths(&mut approx, i, owners)
-        });
-        for (d, a) in depth.iter_mut().zip(approx) {
-            *d = (*d).max(a);
-        }
-        depth
-    }
-
-    /// Longest consecutive match of `keys` per worker slot in one owner index (the device's or
-    /// a lower tier's).
-    pub(super) fn index_depths(
-        &self,
-        tier: &OwnerIndex,
-        ns: Option<NsId>,
-        keys: &[u64],
-    ) -> Vec<u32> {
-        let mut depth = vec![0u32; self.state.workers.slot_count()];
-        if let Some(ns) = ns {
-            tier.walk(ns, keys, |i, owners| {
-                extend_depths(&mut depth, i, owners.iter().copied())
+        let tiers = [
+            (DEVICE, &self.state.index),
+            (HOST, &self.state.lower.host),
+            (DISK, &self.state.lower.disk),
+        ];
+        for (tier, index) in tiers {
+            index.walk(ns, keys, |i, owners| {
+                scratch.extend(tier, i, owners.iter().copied())
             });
         }
-        depth
+        self.state
+            .approx
+            .walk(ns, keys, now, |i, owners| scratch.extend(APPROX, i, owners));
     }
 
     /// The lower-tier depth of one worker rank for a prompt's block keys: how many leading
@@ -51,15 +46,56 @@ impl Router {
         lora: Option<&str>,
         keys: &[u64],
     ) -> TierDepths {
-        let (Some(slot), ns) = (
+        let (Some(slot), Some(ns)) = (
             self.state.workers.slot_of(id, dp_rank),
             self.state.namespaces.get(model, lora),
         ) else {
             return TierDepths::default();
         };
+        let depth_of = |tier: &OwnerIndex| {
+            let mut depth = 0;
+            tier.walk(ns, keys, |i, owners| {
+                let continues = depth as usize == i && owners.contains(&slot);
+                depth += u32::from(continues);
+                continues
+            });
+            depth
+        };
         TierDepths {
-            host: self.index_depths(&self.state.lower.host, ns, keys)[slot as usize],
-            disk: self.index_depths(&self.state.lower.disk, ns, keys)[slot as usize],
+            host: depth_of(&self.state.lower.host),
+            disk: depth_of(&self.state.lower.disk),
+        }
+    }
+
+    /// What the policy knows about one live rank for this request.
+    fn view_of<'a>(
+        &self,
+        scratch: &RouteScratch,
+        slot: Slot,
+        w: &'a Worker,
+        model: Option<&str>,
+        excluded: &[Slot],
+        now: u64,
+    ) -> WorkerView<'a> {
+        let policy_config = &self.config.policy;
+        let max_age = policy_config.telemetry_max_age_ms;
+        let (depth, host_depth, disk_depth) = scratch.depths(slot);
+        WorkerView {
+            slot,
+            id: &w.id,
+            dp_rank: w.dp_rank,
+            candidate: w.state == WorkerState::Active
+                && excluded.binary_search(&slot).is_err()
+                && serves_model(w.model.as_deref(), model),
+            depth,
+            host_depth,
+            disk_depth,
+            pressure: policy_config
+                .ranked_pressure(w.fresh_pressure(now, max_age), w.reserved_prefill),
+            waiting: w.waiting(),
+            reserved_work: w.reserved_work,
+            reserved_requests: w.reserved_requests,
+            prefill_backlog_tokens: w.reserved_prefill,
         }
     }
 
@@ -68,38 +104,77 @@ impl Router {
             .state
             .namespaces
             .get(req.model.as_deref(), req.lora.as_deref());
-        let depths = self.depths(ns, &req.keys, now);
-        let host_depths = self.index_depths(&self.state.lower.host, ns, &req.keys);
-        let disk_depths = self.index_depths(&self.state.lower.disk, ns, &req.keys);
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let mut policy_state = std::mem::take(&mut self.state.policy);
+        scratch.sync_pools(&mut self.state.workers, &self.config.policy, now);
+        self.walk_depths(&mut scratch, ns, &req.keys, now);
         let max_age = self.config.policy.telemetry_max_age_ms;
-        let policy_config = &self.config.policy;
         let block_size = self.block_size_of(req.model.as_deref());
-        // Looked up once per worker rank: a set, so the cost of a route does not grow with the
-        // product of the fleet and the exclude list.
-        let excluded: FxHashSet<&WorkerId> = req.exclude.iter().collect();
-        // One candidate per worker rank, each with its own ownership, load and reserved work.
-        let views: Vec<WorkerView> = self
-            .state
-            .workers
-            .iter()
-            .map(|(slot, w)| WorkerView {
-                slot,
-                id: &w.id,
-                dp_rank: w.dp_rank,
-                candidate: w.state == WorkerState::Active
-                    && !excluded.contains(&w.id)
-                    && serves_model(w.model.as_deref(), req.model.as_deref()),
-                depth: depths[slot as usize],
-                host_depth: host_depths[slot as usize],
-                disk_depth: disk_depths[slot as usize],
-                pressure: policy_config
-                    .ranked_pressure(w.fresh_pressure(now, max_age), w.reserved_prefill),
-                waiting: w.waiting(),
-                reserved_work: w.reserved_work,
-                reserved_requests: w.reserved_requests,
-                prefill_backlog_tokens: w.reserved_prefill,
-            })
-            .collect();
+        // Every live rank of an excluded worker, ascending: looked up per rank, so the cost of a
+        // route does not grow with the product of the fleet and the exclude list.
+        let mut excluded = std::mem::take(&mut scratch.excluded);
+        for id in &req.exclude {
+            excluded.extend(self.state.workers.slots_of(id));
+        }
+        excluded.sort_unstable();
+        excluded.dedup();
+        // Read-only from here until the route ends: views and the fleet borrow it.
+        let scratch = scratch;
+        let model = req.model.as_deref();
+        let view_of = |slot: Slot| {
+            let w = self.state.workers.get(slot).expect("a live rank");
+            self.view_of(&scratch, slot, w, model, &excluded, now)
+        };
+        // Pressure-first decides on the matched ranks and the fleet's pools; explain rows and the
+        // baselines see every worker.
+        let sparse = self.config.policy.kind == PolicyKind::PressureFirst && !req.explain;
+        let views: Vec<WorkerView> = if sparse {
+            // A match short of the threshold without a lower-tier match plays no part in the
+            // decision (a shared first block held by the whole fleet lists nobody).
+            let threshold = self.config.policy.match_threshold(req.keys.len());
+            let mut views: Vec<WorkerView> = scratch
+                .touched()
+                .iter()
+                .filter(|&&slot| {
+                    let (depth, host, disk) = scratch.depths(slot);
+                    (depth >= threshold || host > 0 || disk > 0)
+                        && self.state.workers.get(slot).is_some()
+                })
+                .map(|&slot| view_of(slot))
+                .collect();
+            // The provisional owner of the longest match's prefix, which the policy may add to
+            // the known owners.
+            let deepest = views
+                .iter()
+                .filter(|v| v.candidate)
+                .map(|v| v.depth)
+                .max()
+                .unwrap_or(0);
+            if let (Some(ns), true) = (ns, deepest > 0) {
+                let prefix = req.keys[deepest as usize - 1];
+                if let Some(p) = self.state.provisional.get(&(ns, prefix)) {
+                    if self.state.workers.get(p.slot).is_some()
+                        && views.iter().all(|v| v.slot != p.slot)
+                    {
+                        views.push(view_of(p.slot));
+                    }
+                }
+            }
+            views.sort_unstable_by_key(|v| v.slot);
+            views
+        } else {
+            self.state
+                .workers
+                .iter()
+                .map(|(slot, _)| view_of(slot))
+                .collect()
+        };
+        let fleet = RouteFleet {
+            pools: &scratch.pools,
+            classes: scratch.pools.classes(model),
+            excluded: &excluded,
+            view: &view_of,
+        };
         let provisional =
             |prefix: u64| ns.and_then(|ns| self.state.provisional.get(&(ns, prefix)).copied());
         let view = RouteView {
@@ -109,15 +184,16 @@ impl Router {
             block_size,
             workers: &views,
             provisional: &provisional,
+            fleet: sparse.then_some(&fleet as &dyn policy::Fleet),
         };
         let mut rng = ChaCha8Rng::seed_from_u64(seq);
-        let mut policy_state = std::mem::take(&mut self.state.policy);
         let choice = policy::decide(&self.config.policy, &mut policy_state, &view, &mut rng);
         let Some(choice) = choice else {
             self.state.policy = policy_state;
+            self.scratch = scratch.finish(excluded);
             return None;
         };
-        let chosen = &views[choice.worker];
+        let chosen = view_of(choice.slot);
         let slot = chosen.slot;
         let worker_id = chosen.id.clone();
         let rank = chosen.dp_rank;
@@ -167,8 +243,8 @@ impl Router {
                 })
                 .collect()
         });
-        drop(views);
         self.state.policy = policy_state;
+        self.scratch = scratch.finish(excluded);
 
         // Effects, inside the same transition that chose the worker.
         let output = req
@@ -224,22 +300,6 @@ impl Router {
             peer_event,
         })
     }
-}
-
-/// Extends each owner's consecutive match from position `i` to `i + 1`: a depth only grows if
-/// it already covers every earlier key. Returns whether any worker still matches, so the walk
-/// stops at the first key nobody continues.
-fn extend_depths(depth: &mut [u32], i: usize, owners: impl Iterator<Item = Slot>) -> bool {
-    let mut any = false;
-    for slot in owners {
-        let d = &mut depth[slot as usize];
-        if *d as usize == i {
-            *d += 1;
-        }
-        // A slot can appear twice for one key (two engine hashes); it still counts once.
-        any |= *d as usize == i + 1;
-    }
-    any
 }
 
 /// A worker without a declared model serves any model; a request without a model fits any worker.

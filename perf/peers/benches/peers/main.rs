@@ -1,10 +1,12 @@
-//! kvrouted's index side by side with the two public Rust KV indexers (issue 6):
-//! `dynamo-kv-router`'s `RadixTree` and `kv-index`'s `ChainIndex`, on one KV event stream.
+//! kvrouted's index side by side with the two public Rust KV indexers (issue 6), on one KV
+//! event stream: `kv-index`'s `ChainIndex`, and `dynamo-kv-router`'s `RadixTree` (single
+//! threaded), `PositionalIndexer` (called directly) and the two backends Dynamo deploys behind
+//! `ThreadPoolIndexer` (`PositionalIndexer` and `ConcurrentRadixTreeCompressed`).
 //!
 //! Run: `cargo bench --bench peers` (release; about a minute on 2 cores). Options, after `--`:
 //! `--trace PATH` (or env `PEERS_TRACE`; default `../shared/traces/conversation_trace.jsonl`
 //! relative to the crate root), `--dup N` (default 8), `--capacity BLOCKS` (default 4096),
-//! `--workers 16,256`, `--reps N` (default 5), `--requests N` (first N trace lines only),
+//! `--workers 16,256,1024,4096` (the default; kv-index stops at 1,024), `--reps N` (default 5), `--requests N` (first N trace lines only),
 //! `--only kvrouted,kv-index` (a subset of the indexes, e.g. to profile one).
 //!
 //! # The stream (precomputed once per worker count, then replayed through every index)
@@ -39,6 +41,14 @@
 //! timed too. Memory is the counting allocator's live bytes held by the index after the replay,
 //! per (worker, block) entry resident at the end.
 //!
+//! Behind `ThreadPoolIndexer` (rows `dynamo-positional-pool`, `dynamo-crtc-pool`; its default
+//! of 4 event threads, on a machine that may have fewer cores) events are applied on other
+//! threads. Their events/s is a bulk pass: every event of the stream enqueued, then one wait
+//! until all are applied, timed from the first enqueue. The checked pass waits (untimed) before
+//! each lookup, so every answer reflects every earlier event; lookups run inline on the calling
+//! thread, as the pool runs them (`ConcurrentRadixTreeCompressed` applies events only through a
+//! pool: its `apply_event` is not public).
+//!
 //! Two diagnostic rows follow. `kvrouted-keys` is kvrouted's index with the block keys chained
 //! before the clock starts (what a gateway sending `block_keys` saves it). `kvrouted-router`
 //! replays the same stream through kvrouted's whole state machine
@@ -72,6 +82,10 @@ fn live() -> usize {
 // ---------------------------------------------------------------------------------------------
 // Options.
 
+/// kv-index's `ChainIndex` indexes at most this many workers.
+const KV_INDEX_MAX_WORKERS: usize = 1024;
+const MAX_WORKERS: usize = 16_384;
+
 struct Options {
     trace: PathBuf,
     dup: u64,
@@ -94,7 +108,7 @@ fn options() -> Options {
         trace: default_trace,
         dup: 8,
         capacity: 4096,
-        workers: vec![16, 256],
+        workers: vec![16, 256, 1024, 4096],
         reps: 5,
         requests: None,
         only: None,
@@ -125,8 +139,8 @@ fn options() -> Options {
     }
     assert!(o.dup >= 1 && o.capacity >= 1 && o.reps >= 1, "bad options");
     assert!(
-        o.workers.iter().all(|&n| (1..=1024).contains(&n)),
-        "workers: 1 to 1024 (kv-index's limit)"
+        o.workers.iter().all(|&n| (1..=MAX_WORKERS).contains(&n)),
+        "workers: 1 to {MAX_WORKERS}"
     );
     o
 }
@@ -145,7 +159,42 @@ struct Rep {
     notes: String,
 }
 
+/// Event application of a threaded subject: every event enqueued, then settled (no lookups in
+/// between, so the event threads are never held up by the checks).
+fn bulk_events<S: Subject>(stream: &Stream) -> u64 {
+    let mut subject = S::new(stream.workers);
+    let mut ns = 0;
+    for op in &stream.ops {
+        match *op {
+            Op::Lookup { .. } => {}
+            Op::Store {
+                worker,
+                start,
+                skip,
+                len,
+            } => {
+                let (from, to) = ((start + skip) as usize, (start + len) as usize);
+                let parent = (skip > 0).then(|| stream.engines[from - 1]);
+                ns += subject.store(
+                    worker,
+                    parent,
+                    &stream.locals[from..to],
+                    &stream.engines[from..to],
+                );
+            }
+            Op::Remove { worker, start, len } => {
+                ns += subject.remove(
+                    worker,
+                    &stream.removed[start as usize..(start + len) as usize],
+                );
+            }
+        }
+    }
+    ns + subject.settle()
+}
+
 fn replay<S: Subject>(stream: &Stream) -> Rep {
+    let bulk_event_ns = S::THREADED.then(|| bulk_events::<S>(stream));
     let mut latencies = Vec::with_capacity(stream.lookups);
     let mut depth = vec![0u32; stream.workers];
     let mut mismatches = 0u64;
@@ -162,6 +211,8 @@ fn replay<S: Subject>(stream: &Stream) -> Rep {
                 max_depth,
             } => {
                 depth.fill(0);
+                // A threaded subject answers from what its event threads have applied.
+                subject.settle();
                 let locals = &stream.locals[start as usize..(start + len) as usize];
                 let (ns, answer) = subject.lookup(locals, &mut depth);
                 latencies.push(ns);
@@ -211,6 +262,7 @@ fn replay<S: Subject>(stream: &Stream) -> Rep {
         notes.push_str(&format!(" first_mismatch_op={n}"));
     }
     drop(subject);
+    let event_ns = bulk_event_ns.unwrap_or(event_ns);
     let lookup_ns: u64 = latencies.iter().sum();
     latencies.sort_unstable();
     Rep {
@@ -236,9 +288,12 @@ fn median_u(mut v: Vec<u64>) -> u64 {
     v[v.len() / 2]
 }
 
-const SUBJECTS: [&str; 5] = [
+const SUBJECTS: [&str; 8] = [
     "kvrouted",
     "dynamo-kv-router",
+    "dynamo-positional",
+    "dynamo-positional-pool",
+    "dynamo-crtc-pool",
     "kv-index",
     "kvrouted-router",
     "kvrouted-keys",
@@ -249,6 +304,13 @@ fn run_subject(name: &str, stream: &Stream) -> Rep {
         "kvrouted" => replay::<Kvrouted<false>>(stream),
         "kvrouted-keys" => replay::<Kvrouted<true>>(stream),
         "dynamo-kv-router" => replay::<Dynamo>(stream),
+        "dynamo-positional" => replay::<DynamoPositional>(stream),
+        "dynamo-positional-pool" => {
+            replay::<DynamoPool<dynamo_kv_router::PositionalIndexer>>(stream)
+        }
+        "dynamo-crtc-pool" => {
+            replay::<DynamoPool<dynamo_kv_router::ConcurrentRadixTreeCompressed>>(stream)
+        }
         "kv-index" => replay::<KvIndex>(stream),
         "kvrouted-router" => replay::<FullRouter>(stream),
         other => unreachable!("{other}"),
@@ -292,10 +354,15 @@ fn main() {
             t.elapsed().as_secs_f64()
         );
         let chosen = |name: &str| {
-            o.only
+            let fits = name != "kv-index" || workers <= KV_INDEX_MAX_WORKERS;
+            fits && o
+                .only
                 .as_ref()
                 .is_none_or(|only| only.iter().any(|n| n == name))
         };
+        if workers > KV_INDEX_MAX_WORKERS {
+            println!("(kv-index has no row: it indexes at most {KV_INDEX_MAX_WORKERS} workers)");
+        }
         let mut reps: Vec<Vec<Rep>> = SUBJECTS.iter().map(|_| Vec::new()).collect();
         for rep in 0..o.reps {
             // Rotate the order so no index always runs first (cold caches) or last.

@@ -11,11 +11,15 @@ use kvrouted::input::{
 };
 use kvrouted::router::{Output, Router, RouterConfig};
 
+use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
+use dynamo_kv_router::nested_map::{LevelIndex, SearchMode};
+use dynamo_kv_router::protocols::WorkerWithDpRank;
 use dynamo_kv_router::protocols::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash,
 };
-use dynamo_kv_router::{RadixTree, RouterEvent};
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer, RadixTree, RouterEvent};
+use rustc_hash::FxHashMap;
 
 use kv_index::{ChainBlockMap, ChainIndex, SequenceHash};
 
@@ -31,7 +35,15 @@ pub(crate) enum Answer {
 }
 
 pub(crate) trait Subject {
+    /// Events are applied on other threads: `store` and `remove` only enqueue them. The
+    /// replay then times event application as a bulk pass (every event enqueued, then
+    /// [`Subject::settle`]) and settles untimed before each lookup of the checked pass.
+    const THREADED: bool = false;
     fn new(workers: usize) -> Self;
+    /// Waits until every event enqueued so far is applied; returns nanoseconds.
+    fn settle(&mut self) -> u64 {
+        0
+    }
     fn store(&mut self, worker: u32, parent: Option<u64>, locals: &[u64], engines: &[u64]) -> u64;
     fn remove(&mut self, worker: u32, engines: &[u64]) -> u64;
     /// Looks up `locals`; fills `depth` (zeroed, one per worker) after the timer stops.
@@ -221,6 +233,60 @@ impl Dynamo {
     }
 }
 
+/// Dynamo's native stored event.
+fn dynamo_stored(
+    event_id: u64,
+    worker: u32,
+    parent: Option<u64>,
+    locals: &[u64],
+    engines: &[u64],
+) -> RouterEvent {
+    RouterEvent::new(
+        worker as u64,
+        KvCacheEvent {
+            event_id,
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: parent.map(ExternalSequenceBlockHash),
+                start_position: None,
+                blocks: engines
+                    .iter()
+                    .zip(locals)
+                    .map(|(&e, &l)| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(e),
+                        tokens_hash: LocalBlockHash(l),
+                        mm_extra_info: None,
+                    })
+                    .collect(),
+            }),
+            dp_rank: 0,
+        },
+    )
+}
+
+/// Dynamo's native removed event.
+fn dynamo_removed(event_id: u64, worker: u32, engines: &[u64]) -> RouterEvent {
+    RouterEvent::new(
+        worker as u64,
+        KvCacheEvent {
+            event_id,
+            data: KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: engines
+                    .iter()
+                    .map(|&e| ExternalSequenceBlockHash(e))
+                    .collect(),
+            }),
+            dp_rank: 0,
+        },
+    )
+}
+
+/// Dynamo's match scores into the caller's per-worker depths.
+fn dynamo_depths(scores: &dynamo_kv_router::protocols::OverlapScores, depth: &mut [u32]) {
+    for (w, &s) in &scores.scores {
+        depth[w.worker_id as usize] = s;
+    }
+}
+
 impl Subject for Dynamo {
     fn new(_workers: usize) -> Self {
         Dynamo {
@@ -232,44 +298,13 @@ impl Subject for Dynamo {
 
     fn store(&mut self, worker: u32, parent: Option<u64>, locals: &[u64], engines: &[u64]) -> u64 {
         self.event_id += 1;
-        let event = RouterEvent::new(
-            worker as u64,
-            KvCacheEvent {
-                event_id: self.event_id,
-                data: KvCacheEventData::Stored(KvCacheStoreData {
-                    parent_hash: parent.map(ExternalSequenceBlockHash),
-                    start_position: None,
-                    blocks: engines
-                        .iter()
-                        .zip(locals)
-                        .map(|(&e, &l)| KvCacheStoredBlockData {
-                            block_hash: ExternalSequenceBlockHash(e),
-                            tokens_hash: LocalBlockHash(l),
-                            mm_extra_info: None,
-                        })
-                        .collect(),
-                }),
-                dp_rank: 0,
-            },
-        );
+        let event = dynamo_stored(self.event_id, worker, parent, locals, engines);
         self.timed_apply(event)
     }
 
     fn remove(&mut self, worker: u32, engines: &[u64]) -> u64 {
         self.event_id += 1;
-        let event = RouterEvent::new(
-            worker as u64,
-            KvCacheEvent {
-                event_id: self.event_id,
-                data: KvCacheEventData::Removed(KvCacheRemoveData {
-                    block_hashes: engines
-                        .iter()
-                        .map(|&e| ExternalSequenceBlockHash(e))
-                        .collect(),
-                }),
-                dp_rank: 0,
-            },
-        );
+        let event = dynamo_removed(self.event_id, worker, engines);
         self.timed_apply(event)
     }
 
@@ -278,9 +313,7 @@ impl Subject for Dynamo {
         let t = now();
         let scores = self.tree.find_matches(sequence, false);
         let mut ns = ns_since(t);
-        for (w, &s) in &scores.scores {
-            depth[w.worker_id as usize] = s;
-        }
+        dynamo_depths(&scores, &mut *depth);
         let t = now();
         drop(scores);
         ns += ns_since(t);
@@ -293,6 +326,159 @@ impl Subject for Dynamo {
 
     fn notes(&self) -> String {
         format!("entries={}", self.tree.current_size())
+    }
+}
+
+/// Jump size of Dynamo's positional indexer (the value its documentation gives).
+const POSITIONAL_JUMP: usize = 32;
+/// Event threads of Dynamo's `ThreadPoolIndexer` (its `router_event_threads` default).
+const DYNAMO_EVENT_THREADS: usize = 4;
+
+/// dynamo-kv-router's `PositionalIndexer` called directly on this thread: events through its
+/// public `apply_event` with one caller-owned per-worker level map, lookups through
+/// `find_matches` (what `ThreadPoolIndexer` runs inline on the caller's thread).
+pub(crate) struct DynamoPositional {
+    pub(crate) index: PositionalIndexer,
+    pub(crate) levels: FxHashMap<WorkerWithDpRank, LevelIndex>,
+    pub(crate) event_id: u64,
+    pub(crate) errors: u64,
+}
+
+impl DynamoPositional {
+    fn timed_apply(&mut self, event: RouterEvent) -> u64 {
+        let t = now();
+        let r = self.index.apply_event(&mut self.levels, event, None);
+        let ns = ns_since(t);
+        self.errors += r.is_err() as u64;
+        ns
+    }
+}
+
+impl Subject for DynamoPositional {
+    fn new(_workers: usize) -> Self {
+        DynamoPositional {
+            index: PositionalIndexer::new_with_mode(POSITIONAL_JUMP, SearchMode::Strided),
+            levels: FxHashMap::default(),
+            event_id: 0,
+            errors: 0,
+        }
+    }
+
+    fn store(&mut self, worker: u32, parent: Option<u64>, locals: &[u64], engines: &[u64]) -> u64 {
+        self.event_id += 1;
+        let event = dynamo_stored(self.event_id, worker, parent, locals, engines);
+        self.timed_apply(event)
+    }
+
+    fn remove(&mut self, worker: u32, engines: &[u64]) -> u64 {
+        self.event_id += 1;
+        let event = dynamo_removed(self.event_id, worker, engines);
+        self.timed_apply(event)
+    }
+
+    fn lookup(&mut self, locals: &[u64], depth: &mut [u32]) -> (u64, Answer) {
+        let sequence: Vec<LocalBlockHash> = locals.iter().map(|&l| LocalBlockHash(l)).collect();
+        let t = now();
+        let scores = SyncIndexer::find_matches(&self.index, &sequence, false);
+        let mut ns = ns_since(t);
+        dynamo_depths(&scores, depth);
+        let t = now();
+        drop(scores);
+        ns += ns_since(t);
+        (ns, Answer::Depths)
+    }
+
+    fn errors(&self) -> u64 {
+        self.errors
+    }
+}
+
+/// A dynamo-kv-router backend behind `ThreadPoolIndexer`, as Dynamo deploys it: events are
+/// enqueued to its event threads (sharded by worker), lookups run inline on the caller's thread.
+pub(crate) struct DynamoPool<T: SyncIndexer> {
+    pub(crate) pool: ThreadPoolIndexer<T>,
+    pub(crate) runtime: tokio::runtime::Runtime,
+    pub(crate) event_id: u64,
+    pub(crate) errors: u64,
+}
+
+/// Which backend a [`DynamoPool`] wraps.
+pub(crate) trait PoolBackend: SyncIndexer + Sized {
+    fn backend() -> Self;
+}
+
+impl PoolBackend for ConcurrentRadixTreeCompressed {
+    fn backend() -> Self {
+        ConcurrentRadixTreeCompressed::new()
+    }
+}
+
+impl PoolBackend for PositionalIndexer {
+    fn backend() -> Self {
+        PositionalIndexer::new_with_mode(POSITIONAL_JUMP, SearchMode::Strided)
+    }
+}
+
+impl<T: PoolBackend> DynamoPool<T> {
+    fn timed_enqueue(&mut self, event: RouterEvent) -> u64 {
+        let t = now();
+        let r = self.pool.enqueue_event(event);
+        let ns = ns_since(t);
+        self.errors += r.is_err() as u64;
+        ns
+    }
+}
+
+impl<T: PoolBackend> Subject for DynamoPool<T> {
+    const THREADED: bool = true;
+
+    fn new(_workers: usize) -> Self {
+        DynamoPool {
+            pool: ThreadPoolIndexer::new(T::backend(), DYNAMO_EVENT_THREADS, TRACE_BLOCK),
+            runtime: tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("a runtime to wait on the event threads"),
+            event_id: 0,
+            errors: 0,
+        }
+    }
+
+    fn settle(&mut self) -> u64 {
+        let t = now();
+        let r = self.runtime.block_on(self.pool.flush_and_wait());
+        let ns = ns_since(t);
+        self.errors += r.is_err() as u64;
+        ns
+    }
+
+    fn store(&mut self, worker: u32, parent: Option<u64>, locals: &[u64], engines: &[u64]) -> u64 {
+        self.event_id += 1;
+        let event = dynamo_stored(self.event_id, worker, parent, locals, engines);
+        self.timed_enqueue(event)
+    }
+
+    fn remove(&mut self, worker: u32, engines: &[u64]) -> u64 {
+        self.event_id += 1;
+        let event = dynamo_removed(self.event_id, worker, engines);
+        self.timed_enqueue(event)
+    }
+
+    fn lookup(&mut self, locals: &[u64], depth: &mut [u32]) -> (u64, Answer) {
+        let sequence: Vec<LocalBlockHash> = locals.iter().map(|&l| LocalBlockHash(l)).collect();
+        let t = now();
+        // The pool's `find_matches` runs exactly this inline on the caller's thread (no channel);
+        // only its async wrapper is left out.
+        let scores = self.pool.backend().find_matches(&sequence, false);
+        let mut ns = ns_since(t);
+        dynamo_depths(&scores, depth);
+        let t = now();
+        drop(scores);
+        ns += ns_since(t);
+        (ns, Answer::Depths)
+    }
+
+    fn errors(&self) -> u64 {
+        self.errors
     }
 }
 

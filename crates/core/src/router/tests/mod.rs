@@ -12,6 +12,7 @@ mod engines;
 mod events;
 mod peers;
 mod policy;
+mod pools;
 mod replay;
 mod reservations;
 

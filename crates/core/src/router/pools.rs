@@ -1,0 +1,396 @@
+//! What a route needs besides the index, kept so that its cost follows the matched owners and
+//! the sampled candidates, not the size of the fleet:
+//!
+//! - [`RouteScratch`]: per-rank depths on each tier, reused from route to route; only the ranks
+//!   a walk touched are reset afterwards.
+//! - [`Pools`]: the fleet's candidate pools (candidates, cool, safe; docs/architecture.md,
+//!   "Policy") as order-statistic trees over slots, one per model, updated for each rank that
+//!   changed (the worker table notes them) and for each rank whose telemetry went stale. A
+//!   power-of-two draw then finds the k-th member in slot order without a scan, the same member a
+//!   scan of every worker finds, so decisions (and old journals' replays) are unchanged.
+//!
+//! Neither is part of the router's state: both are rebuilt from it when needed.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
+
+use crate::index::Slot;
+use crate::policy::{Fleet, PolicyConfig, Pool, WorkerView};
+use crate::workers::{WorkerState, Workers};
+
+/// Tiers a route walks, as columns of [`RouteScratch`].
+pub(super) const DEVICE: usize = 0;
+pub(super) const APPROX: usize = 1;
+pub(super) const HOST: usize = 2;
+pub(super) const DISK: usize = 3;
+
+/// Depths of one route per rank and tier. Invariant between routes: every row is zero and
+/// `touched` is empty.
+#[derive(Debug, Default)]
+pub(super) struct RouteScratch {
+    depth: Vec<[u32; 4]>,
+    /// Ranks with a non-zero depth on some tier, in the order the walks met them.
+    touched: Vec<Slot>,
+    pub(super) pools: Pools,
+    /// Slots the worker table reported changed; kept to reuse its buffer.
+    changed: Vec<Slot>,
+    /// The request's excluded ranks, ascending; kept to reuse its buffer.
+    pub(super) excluded: Vec<Slot>,
+}
+
+impl RouteScratch {
+    /// Makes room for `slots` ranks (rows only ever grow; they are zero between routes).
+    pub(super) fn prepare(&mut self, slots: usize) {
+        if self.depth.len() < slots {
+            self.depth.resize(slots, [0; 4]);
+        }
+    }
+
+    /// Extends each owner's consecutive match on `tier` from position `i` to `i + 1`: a depth
+    /// only grows if it already covers every earlier key. Returns whether any rank still
+    /// matches, so the walk stops at the first key nobody continues.
+    pub(super) fn extend(
+        &mut self,
+        tier: usize,
+        i: usize,
+        owners: impl Iterator<Item = Slot>,
+    ) -> bool {
+        let mut any = false;
+        for slot in owners {
+            let row = &mut self.depth[slot as usize];
+            if row[tier] as usize == i {
+                if *row == [0; 4] {
+                    self.touched.push(slot);
+                }
+                row[tier] += 1;
+            }
+            // A slot can appear twice for one key (two engine hashes); it still counts once.
+            any |= row[tier] as usize == i + 1;
+        }
+        any
+    }
+
+    /// The depths of `slot`: (device or approximate, whichever is deeper; host; disk).
+    pub(super) fn depths(&self, slot: Slot) -> (u32, u32, u32) {
+        let row = self.depth.get(slot as usize).copied().unwrap_or([0; 4]);
+        (row[DEVICE].max(row[APPROX]), row[HOST], row[DISK])
+    }
+
+    /// Ranks with a match on some tier.
+    pub(super) fn touched(&self) -> &[Slot] {
+        &self.touched
+    }
+
+    /// Ends a route: zeroes the rows its walks touched and keeps the excluded ranks' buffer.
+    pub(super) fn finish(mut self, mut excluded: Vec<Slot>) -> Self {
+        for &slot in &self.touched {
+            self.depth[slot as usize] = [0; 4];
+        }
+        self.touched.clear();
+        excluded.clear();
+        self.excluded = excluded;
+        self
+    }
+
+    /// Brings the pools up to date for a route at `now`.
+    pub(super) fn sync_pools(&mut self, workers: &mut Workers, config: &PolicyConfig, now: u64) {
+        workers.take_changed(&mut self.changed);
+        self.pools.sync(workers, config, now, &self.changed);
+        self.changed.clear();
+    }
+}
+
+/// A Fenwick tree of member counts over slots.
+#[derive(Debug, Default, Clone)]
+struct Counts {
+    /// 1-based; `tree.len() - 1` is a power of two.
+    tree: Vec<u32>,
+    total: usize,
+}
+
+impl Counts {
+    fn add(&mut self, slot: Slot, cap: usize, up: bool) {
+        if self.tree.len() != cap + 1 {
+            self.tree.resize(cap + 1, 0);
+        }
+        let mut i = slot as usize + 1;
+        while i <= cap {
+            if up {
+                self.tree[i] += 1;
+            } else {
+                self.tree[i] -= 1;
+            }
+            i += i & i.wrapping_neg();
+        }
+        if up {
+            self.total += 1;
+        } else {
+            self.total -= 1;
+        }
+    }
+
+    fn node(&self, i: usize) -> u32 {
+        self.tree.get(i).copied().unwrap_or(0)
+    }
+}
+
+/// Which members one request may use, as indexes into [`Pools::trees`]: the whole fleet for a
+/// request without a model; ranks without a declared model plus those of the model otherwise.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Classes(usize, Option<usize>);
+
+const ALL: usize = 0;
+const NO_MODEL: usize = 1;
+
+/// One rank's membership: a bit per [`Pool`] and its model class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Member {
+    pools: u8,
+    class: usize,
+}
+
+fn bit(pool: Pool) -> u8 {
+    match pool {
+        Pool::Candidates => 1,
+        Pool::Cool => 2,
+        Pool::Safe => 4,
+    }
+}
+
+const POOLS: [Pool; 3] = [Pool::Candidates, Pool::Cool, Pool::Safe];
+
+/// The fleet's pools. Invariant (after [`Pools::sync`] at `now`): a rank is counted in a pool
+/// exactly when [`Pool::admits`] its view at `now`, leaving aside exclusion and model, which
+/// a route applies itself.
+#[derive(Debug, Default)]
+pub(super) struct Pools {
+    built: bool,
+    /// Slots the trees cover: a power of two.
+    cap: usize,
+    members: Vec<Member>,
+    /// Model name → its class (2 and up).
+    models: FxHashMap<String, usize>,
+    /// Per class ([`ALL`], [`NO_MODEL`], then one per model), one count tree per pool.
+    trees: Vec<[Counts; 3]>,
+    /// (time its telemetry turns stale, slot) for ranks counted with fresh telemetry. Entries
+    /// that no longer apply are harmless: a rank is only ever recounted from its current state.
+    stale_at: BinaryHeap<Reverse<(u64, Slot)>>,
+    /// The deadline queued for each slot, so a rank is queued once per sample.
+    queued: Vec<u64>,
+    last_now: u64,
+}
+
+impl Pools {
+    /// Drops everything: the next sync recounts the fleet (settings changed, or a snapshot).
+    pub(super) fn invalidate(&mut self) {
+        self.built = false;
+    }
+
+    fn sync(&mut self, workers: &Workers, config: &PolicyConfig, now: u64, changed: &[Slot]) {
+        // Staleness only ever sets in as time passes; if time went back, recount.
+        if !self.built || now < self.last_now {
+            self.rebuild(workers, config, now);
+            return;
+        }
+        self.last_now = now;
+        for &slot in changed {
+            self.refresh(slot, workers, config, now);
+        }
+        while let Some(&Reverse((stale, slot))) = self.stale_at.peek() {
+            if stale >= now {
+                break;
+            }
+            self.stale_at.pop();
+            if self.queued[slot as usize] == stale {
+                self.queued[slot as usize] = u64::MAX;
+            }
+            self.refresh(slot, workers, config, now);
+        }
+    }
+
+    fn rebuild(&mut self, workers: &Workers, config: &PolicyConfig, now: u64) {
+        *self = Pools {
+            built: true,
+            cap: workers.slot_count().next_power_of_two().max(64),
+            last_now: now,
+            ..Pools::default()
+        };
+        self.trees = vec![Default::default(), Default::default()];
+        self.members = vec![Member::default(); self.cap];
+        self.queued = vec![u64::MAX; self.cap];
+        for slot in 0..workers.slot_count() {
+            self.refresh(slot as Slot, workers, config, now);
+        }
+    }
+
+    /// Recounts one rank from its current state.
+    fn refresh(&mut self, slot: Slot, workers: &Workers, config: &PolicyConfig, now: u64) {
+        if slot as usize >= self.cap {
+            self.grow(slot as usize + 1);
+        }
+        let mut want = Member::default();
+        if let Some(w) = workers.get(slot).filter(|w| w.state == WorkerState::Active) {
+            let max_age = config.telemetry_max_age_ms;
+            let pressure =
+                config.ranked_pressure(w.fresh_pressure(now, max_age), w.reserved_prefill);
+            want.pools = bit(Pool::Candidates);
+            if pressure.is_none_or(|p| p <= config.high_water) {
+                want.pools |= bit(Pool::Cool);
+            }
+            if pressure.is_some_and(|p| p <= config.high_water) {
+                want.pools |= bit(Pool::Safe);
+            }
+            want.class = match &w.model {
+                None => NO_MODEL,
+                Some(m) => match self.models.get(m) {
+                    Some(&c) => c,
+                    None => {
+                        let c = self.trees.len();
+                        self.trees.push(Default::default());
+                        self.models.insert(m.clone(), c);
+                        c
+                    }
+                },
+            };
+            if let Some(t) = w.telemetry.filter(|_| pressure.is_some()) {
+                let stale = t.received_ms.saturating_add(max_age);
+                if self.queued[slot as usize] != stale {
+                    self.queued[slot as usize] = stale;
+                    self.stale_at.push(Reverse((stale, slot)));
+                }
+            }
+        }
+        let had = self.members[slot as usize];
+        if had == want {
+            return;
+        }
+        self.count(slot, had, false);
+        self.count(slot, want, true);
+        self.members[slot as usize] = want;
+    }
+
+    fn count(&mut self, slot: Slot, member: Member, up: bool) {
+        for (p, pool) in POOLS.iter().enumerate() {
+            if member.pools & bit(*pool) != 0 {
+                self.trees[ALL][p].add(slot, self.cap, up);
+                self.trees[member.class][p].add(slot, self.cap, up);
+            }
+        }
+    }
+
+    fn grow(&mut self, slots: usize) {
+        let members = std::mem::take(&mut self.members);
+        self.cap = slots.next_power_of_two();
+        self.members = vec![Member::default(); self.cap];
+        self.queued.resize(self.cap, u64::MAX);
+        for trees in &mut self.trees {
+            *trees = Default::default();
+        }
+        for (slot, m) in members.into_iter().enumerate() {
+            self.count(slot as Slot, m, true);
+            self.members[slot] = m;
+        }
+    }
+
+    /// The classes a request for `model` may use.
+    pub(super) fn classes(&self, model: Option<&str>) -> Classes {
+        match model {
+            None => Classes(ALL, None),
+            Some(m) => Classes(NO_MODEL, self.models.get(m).copied()),
+        }
+    }
+
+    fn is_member(&self, slot: Slot, pool: Pool, classes: Classes) -> bool {
+        let Some(m) = self.members.get(slot as usize) else {
+            return false;
+        };
+        m.pools & bit(pool) != 0
+            && (classes.0 == ALL || m.class == classes.0 || Some(m.class) == classes.1)
+    }
+
+    fn total(&self, pool: Pool, classes: Classes) -> usize {
+        let p = pool_index(pool);
+        self.trees[classes.0][p].total + classes.1.map_or(0, |c| self.trees[c][p].total)
+    }
+
+    /// The `k`-th (from 0) member in slot order: a descent of the Fenwick tree (two trees
+    /// summed for a model's request).
+    fn select(&self, pool: Pool, classes: Classes, k: usize) -> Slot {
+        let p = pool_index(pool);
+        let a = &self.trees[classes.0][p];
+        let b = classes.1.map(|c| &self.trees[c][p]);
+        let mut pos = 0;
+        let mut rest = k as u32;
+        let mut step = self.cap;
+        while step > 0 {
+            let next = pos + step;
+            if next <= self.cap {
+                let here = a.node(next) + b.map_or(0, |b| b.node(next));
+                if here <= rest {
+                    pos = next;
+                    rest -= here;
+                }
+            }
+            step >>= 1;
+        }
+        pos as Slot
+    }
+}
+
+fn pool_index(pool: Pool) -> usize {
+    POOLS.iter().position(|&p| p == pool).expect("every pool")
+}
+
+/// The fleet as one route sees it: the pools less the request's excluded ranks, limited to the
+/// model it asks for.
+pub(super) struct RouteFleet<'a> {
+    pub(super) pools: &'a Pools,
+    pub(super) classes: Classes,
+    /// Excluded ranks, ascending.
+    pub(super) excluded: &'a [Slot],
+    pub(super) view: &'a dyn Fn(Slot) -> WorkerView<'a>,
+}
+
+impl RouteFleet<'_> {
+    /// The members of `pool` among the excluded ranks and `minus`, ascending, each once.
+    fn left_out(&self, pool: Pool, minus: &[Slot]) -> SmallVec<[Slot; 8]> {
+        let mut out: SmallVec<[Slot; 8]> = self
+            .excluded
+            .iter()
+            .chain(minus)
+            .copied()
+            .filter(|&s| self.pools.is_member(s, pool, self.classes))
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+}
+
+impl<'a> Fleet<'a> for RouteFleet<'a> {
+    fn count(&self, pool: Pool, minus: &[Slot]) -> usize {
+        self.pools.total(pool, self.classes) - self.left_out(pool, minus).len()
+    }
+
+    fn nth(&self, pool: Pool, k: usize, minus: &[Slot]) -> Slot {
+        let left_out = self.left_out(pool, minus);
+        // The k-th member after skipping left-out ones: select k + (left-out members up to the
+        // answer) until that count stops changing.
+        let mut skipped = 0;
+        loop {
+            let slot = self.pools.select(pool, self.classes, k + skipped);
+            let up_to = left_out.partition_point(|&s| s <= slot);
+            if up_to == skipped {
+                return slot;
+            }
+            skipped = up_to;
+        }
+    }
+
+    fn view(&self, slot: Slot) -> WorkerView<'a> {
+        (self.view)(slot)
+    }
+}
