@@ -44,6 +44,28 @@ pub struct RouterConfig {
     pub output_estimate: u64,
     /// A worker not heard from for this long is removed like a `leave`.
     pub worker_ttl_ms: u64,
+    /// Most workers (ids) known at once: a message from a new worker beyond it is rejected
+    /// (`worker_limit`), so a publisher inventing ids cannot grow the state without bound.
+    #[serde(default = "default_max_workers")]
+    pub max_workers: usize,
+    /// Most (model, LoRA) namespaces: a KV event, declaration or route needing a new one beyond
+    /// it is rejected (`model_limit`), and so are block sizes declared for new models.
+    #[serde(default = "default_max_models")]
+    pub max_models: usize,
+}
+
+/// `--max-workers` by default.
+pub const DEFAULT_MAX_WORKERS: usize = 10_000;
+/// `--max-models` by default.
+pub const DEFAULT_MAX_MODELS: usize = 256;
+
+// Journals written before the caps existed configure them by default.
+fn default_max_workers() -> usize {
+    DEFAULT_MAX_WORKERS
+}
+
+fn default_max_models() -> usize {
+    DEFAULT_MAX_MODELS
 }
 
 impl Default for RouterConfig {
@@ -57,6 +79,8 @@ impl Default for RouterConfig {
             reservation_ttl_ms: 600_000,
             output_estimate: 4096,
             worker_ttl_ms: 60_000,
+            max_workers: DEFAULT_MAX_WORKERS,
+            max_models: DEFAULT_MAX_MODELS,
         }
     }
 }
@@ -245,8 +269,8 @@ impl Router {
         }
     }
 
-    /// Rows for `GET /v1/workers`: one per worker (over all its ranks), in the order workers
-    /// were first seen. Pressure is the highest fresh pressure of its ranks, telemetry age the
+    /// Rows for `GET /v1/workers`: one per worker (over all its ranks), in the order of their
+    /// first slot. Pressure is the highest fresh pressure of its ranks, telemetry age the
     /// youngest, reserved work and blocks the sums.
     pub fn worker_rows(&self, now: u64) -> Vec<WorkerRow> {
         let max_age = self.config.policy.telemetry_max_age_ms;

@@ -184,24 +184,37 @@ impl Router {
             prefill,
             now.saturating_add(self.config.reservation_ttl_ms),
         );
-        let ns = ns.unwrap_or_else(|| {
+        // A route never creates a namespace for a name no worker announced: only the default
+        // one, or the model the chosen worker declared (without a LoRA, which only KV events
+        // name), and only within `max_models`. Otherwise there is nothing to record under.
+        let announced = req.lora.is_none()
+            && (req.model.is_none()
+                || self
+                    .state
+                    .workers
+                    .get(slot)
+                    .and_then(|w| w.model.as_deref())
+                    == req.model.as_deref());
+        let ns = match ns {
+            Some(ns) => Some(ns),
+            None if announced => self.intern(req.model.as_deref(), req.lora.as_deref()),
+            None => None,
+        };
+        if let Some(ns) = ns {
+            // Every decision records approximate ownership of K for the chosen worker, so the
+            // next turn of a trajectory stays on it before its KV events arrive.
             self.state
-                .namespaces
-                .intern(req.model.as_deref(), req.lora.as_deref())
-        });
-        // Every decision records approximate ownership of K for the chosen worker, so the next
-        // turn of a trajectory stays on it before its KV events arrive.
-        self.state
-            .approx
-            .record(ns, &req.keys, slot, now + self.config.approx_ttl_ms);
-        if let Some(prefix) = choice.spilled_prefix {
-            self.state.provisional.insert(
-                (ns, prefix),
-                ProvisionalOwner {
-                    slot,
-                    spilled_ms: now,
-                },
-            );
+                .approx
+                .record(ns, &req.keys, slot, now + self.config.approx_ttl_ms);
+            if let Some(prefix) = choice.spilled_prefix {
+                self.state.provisional.insert(
+                    (ns, prefix),
+                    ProvisionalOwner {
+                        slot,
+                        spilled_ms: now,
+                    },
+                );
+            }
         }
         Some(Decision {
             worker: worker_id,
