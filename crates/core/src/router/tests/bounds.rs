@@ -325,3 +325,62 @@ fn routes_never_create_a_namespace_for_a_name_no_worker_announced() {
         "the announced model's route was recorded, so its next turn holds"
     );
 }
+
+fn value_of(bytes: &[u8]) -> rmpv::Value {
+    rmpv::decode::read_value(&mut &bytes[..]).unwrap()
+}
+
+#[test]
+fn settings_and_snapshots_written_before_the_caps_existed_still_decode() {
+    // A journaled configuration of before: the same array without the two caps at its end.
+    let config = RouterConfig::default();
+    let rmpv::Value::Array(mut fields) = value_of(&rmp_serde::to_vec(&config).unwrap()) else {
+        panic!("a configuration encodes as an array")
+    };
+    fields.truncate(fields.len() - 2);
+    let mut old = Vec::new();
+    rmpv::encode::write_value(&mut old, &rmpv::Value::Array(fields)).unwrap();
+    let decoded: RouterConfig = rmp_serde::from_slice(&old).unwrap();
+    assert_eq!(
+        (decoded.max_workers, decoded.max_models),
+        (DEFAULT_MAX_WORKERS, DEFAULT_MAX_MODELS),
+        "an old configuration takes the default caps"
+    );
+
+    // A worker table of before lists the key of every slot ever allocated, removed ones too.
+    let mut fleet = Fleet::new();
+    fleet.load("w0", 0.1);
+    fleet.load("w1", 0.1);
+    fleet.lifecycle("w0", LifecycleOp::Leave);
+    let rmpv::Value::Array(mut state) = value_of(&rmp_serde::to_vec(fleet.router.state()).unwrap())
+    else {
+        panic!("the state encodes as an array")
+    };
+    let rmpv::Value::Array(workers) = &mut state[0] else {
+        panic!("the worker table encodes as an array")
+    };
+    let key = |w: &str| rmpv::Value::Array(vec![w.into(), 0.into()]);
+    workers[1] = rmpv::Value::Array(vec![key("w0"), key("w1")]);
+    let mut old = Vec::new();
+    rmpv::encode::write_value(&mut old, &rmpv::Value::Array(state)).unwrap();
+    let mut restored = Router::from_state(
+        fleet.router.config().clone(),
+        rmp_serde::from_slice(&old).unwrap(),
+    );
+    assert_eq!(restored.state.workers.slot_of(&id("w1"), 0), Some(1));
+    assert_eq!(
+        restored.state.workers.slot_of(&id("w0"), 0),
+        None,
+        "the removed worker stays removed"
+    );
+    restored.apply(&Stamped {
+        seq: 100,
+        at_ms: fleet.now,
+        input: Input::Lifecycle(lifecycle("w2", LifecycleOp::Join)),
+    });
+    assert_eq!(
+        restored.state.workers.slot_of(&id("w2"), 0),
+        Some(0),
+        "the removed worker's slot is free for a new one"
+    );
+}
