@@ -143,6 +143,16 @@ pub struct PolicyArgs {
     /// A worker silent this long is removed like a leave
     #[arg(long, env = "KVROUTED_WORKER_TTL", value_parser = parse_duration)]
     pub worker_ttl: Option<Duration>,
+    /// Most workers known at once: load samples, KV events and joins from a new worker id
+    /// beyond it are rejected and counted (`worker_limit`); known workers are unaffected, and
+    /// a worker that leaves or ages out frees its place
+    #[arg(long, env = "KVROUTED_MAX_WORKERS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_workers: Option<u64>,
+    /// Most (model, LoRA) namespaces: KV events and model declarations needing a new one
+    /// beyond it are rejected and counted (`model_limit`); routes never create one for a name
+    /// no worker announced
+    #[arg(long, env = "KVROUTED_MAX_MODELS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_models: Option<u64>,
 }
 
 /// Appends `[default: X]` to the help of each routing flag of `serve` and `replay`, from
@@ -185,6 +195,8 @@ pub fn with_router_defaults(cli: clap::Command) -> clap::Command {
         ("reservation_ttl", duration(config.reservation_ttl_ms)),
         ("output_estimate", config.output_estimate.to_string()),
         ("worker_ttl", duration(config.worker_ttl_ms)),
+        ("max_workers", config.max_workers.to_string()),
+        ("max_models", config.max_models.to_string()),
     ];
     let show = |command: clap::Command| {
         defaults.iter().fold(command, |command, (id, value)| {
@@ -282,6 +294,16 @@ impl PolicyArgs {
             config.worker_ttl_ms,
             self.worker_ttl.map(ms),
             "worker_ttl_ms"
+        );
+        set!(
+            config.max_workers,
+            self.max_workers.map(|v| v as usize),
+            "max_workers"
+        );
+        set!(
+            config.max_models,
+            self.max_models.map(|v| v as usize),
+            "max_models"
         );
         changes
     }

@@ -12,7 +12,8 @@
 //! journal writes; `kvrouted_journal_fault_refusals_total`: inputs refused after one).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::fmt::Write;
+use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use metrics::{counter, gauge, histogram};
@@ -156,6 +157,21 @@ pub fn record_output(output: &Output, source: &str) {
     }
 }
 
+/// The per-worker series (`kvrouted_worker_pressure{worker}`,
+/// `kvrouted_worker_reserved_work{worker}`) of the live workers, in exposition format, as of
+/// the last tick. They are rendered here rather than through the recorder because the
+/// Prometheus exporter cannot remove one series: a worker's series must end when the worker
+/// leaves or ages out, so their number follows the live workers (at most `--max-workers`)
+/// instead of every id ever seen.
+static WORKER_SERIES: RwLock<String> = RwLock::new(String::new());
+
+/// The `/metrics` page: the recorder's series and the live workers' series.
+pub fn render(handle: &PrometheusHandle) -> String {
+    let mut page = handle.render();
+    page.push_str(&WORKER_SERIES.read().unwrap_or_else(|e| e.into_inner()));
+    page
+}
+
 /// Refreshes the state gauges (on every tick).
 pub fn record_state(router: &Router, now_ms: u64) {
     let stats = router.index_stats();
@@ -164,17 +180,29 @@ pub fn record_state(router: &Router, now_ms: u64) {
     let rows = router.worker_rows(now_ms);
     let mut active = 0;
     let mut draining = 0;
+    // Worker ids are `A-Z a-z 0-9 _ - :`: nothing in them needs escaping in a label value.
+    let mut pressure = String::from("# TYPE kvrouted_worker_pressure gauge\n");
+    let mut reserved = String::from("# TYPE kvrouted_worker_reserved_work gauge\n");
     for row in &rows {
         match row.state {
             crate::workers::WorkerState::Active => active += 1,
             crate::workers::WorkerState::Draining => draining += 1,
         }
-        let id = row.id.to_string();
         if let Some(p) = row.pressure {
-            gauge!("kvrouted_worker_pressure", "worker" => id.clone()).set(p);
+            let _ = writeln!(
+                pressure,
+                "kvrouted_worker_pressure{{worker=\"{}\"}} {p}",
+                row.id
+            );
         }
-        gauge!("kvrouted_worker_reserved_work", "worker" => id).set(row.reserved_work as f64);
+        let _ = writeln!(
+            reserved,
+            "kvrouted_worker_reserved_work{{worker=\"{}\"}} {}",
+            row.id, row.reserved_work
+        );
     }
+    pressure.push_str(&reserved);
+    *WORKER_SERIES.write().unwrap_or_else(|e| e.into_inner()) = pressure;
     gauge!("kvrouted_workers", "state" => "active").set(active as f64);
     gauge!("kvrouted_workers", "state" => "draining").set(draining as f64);
 }

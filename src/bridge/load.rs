@@ -19,6 +19,7 @@ use std::time::Duration;
 use clap::ValueEnum;
 
 use super::prom_text;
+use crate::input::MAX_LOAD_COUNT;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Engine {
@@ -111,8 +112,9 @@ pub fn read_loads(engine: Engine, text: &str) -> (BTreeMap<u32, RankLoad>, Vec<S
                 RankLoad {
                     // A usage a hair above 1 (rounding) is full, not invalid.
                     kv_usage: p.kv_usage?.min(1.0),
-                    running: p.running?.round().min(u32::MAX as f64) as u32,
-                    waiting: p.waiting?.round().min(u32::MAX as f64) as u32,
+                    // Past the daemon's bound a sample would be rejected: report the bound.
+                    running: p.running?.round().min(MAX_LOAD_COUNT as f64) as u32,
+                    waiting: p.waiting?.round().min(MAX_LOAD_COUNT as f64) as u32,
                 },
             ))
         })

@@ -74,8 +74,9 @@ pub struct BridgeArgs {
     )]
     pub engine: Engine,
     /// The engine's batch limit (vLLM `--max-num-seqs`, SGLang `--max-running-requests`):
-    /// queue pressure is (running + waiting) / this
-    #[arg(long, env = "KVROUTED_BRIDGE_MAX_RUNNING")]
+    /// queue pressure is (running + waiting) / this; at most 1,000,000
+    #[arg(long, env = "KVROUTED_BRIDGE_MAX_RUNNING",
+          value_parser = clap::value_parser!(u32).range(0..=i64::from(crate::input::MAX_LOAD_COUNT)))]
     pub max_running: Option<u32>,
     /// How often to scrape the metrics endpoint and publish load samples
     #[arg(long, env = "KVROUTED_BRIDGE_LOAD_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]

@@ -93,7 +93,10 @@ fn recovering_app(prometheus: PrometheusHandle) -> axum::Router {
                 )
             }),
         )
-        .route("/metrics", get(move || async move { prometheus.render() }))
+        .route(
+            "/metrics",
+            get(move || async move { prom::render(&prometheus) }),
+        )
         .fallback(|| async {
             (
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::hashing;
-use crate::input::{RejectReason, Rejection, RouteRequest, WorkerId};
+use crate::input::{RejectReason, Rejection, RouteRequest, WorkerId, MAX_NAME_LEN};
 use crate::prom::reject;
 use crate::reservations::ReleasePhase;
 use crate::status::Status;
@@ -246,6 +246,14 @@ fn route_request(state: &AppState, body: RouteBody) -> Result<RouteRequest, ApiE
             format!("request_id longer than {MAX_REQUEST_ID} bytes"),
         ));
     }
+    for (field, name) in [("model", &body.model), ("lora", &body.lora)] {
+        if name.as_ref().is_some_and(|n| n.len() > MAX_NAME_LEN) {
+            return Err(bad_request(
+                RejectReason::InvalidField,
+                format!("{field} longer than {MAX_NAME_LEN} bytes"),
+            ));
+        }
+    }
     if body.exclude.len() > MAX_EXCLUDE {
         return Err(bad_request(
             RejectReason::InvalidField,
@@ -327,7 +335,7 @@ async fn workers(State(state): State<AppState>) -> Result<Response, ApiError> {
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.prometheus.render(),
+        crate::prom::render(&state.prometheus),
     )
 }
 

@@ -18,6 +18,12 @@ pub struct WorkerId(Arc<str>);
 /// Longest accepted worker id, in characters.
 pub const MAX_WORKER_ID_LEN: usize = 128;
 
+/// Longest name accepted, in bytes, for the model and LoRA names the core keeps (a LoRA name,
+/// `Kv-Model`, a load sample's or lifecycle message's `model`, a route's `model` and `lora`):
+/// each becomes a namespace or a worker's model, so a hostile publisher or caller must not be
+/// able to make the core hold or journal megabytes of them.
+pub const MAX_NAME_LEN: usize = 256;
+
 impl WorkerId {
     pub fn new(id: &str) -> Result<Self, InvalidWorkerId> {
         let valid_len = !id.is_empty() && id.len() <= MAX_WORKER_ID_LEN;
@@ -96,6 +102,11 @@ pub enum RejectReason {
     /// rank, epoch): a corrupt or hostile sequence that would make every later batch look like a
     /// duplicate. The batch is not applied and the sequence does not advance.
     SeqJump,
+    /// A message from a new worker while `--max-workers` workers are known: the worker is not
+    /// created; workers already known are unaffected.
+    WorkerLimit,
+    /// A new (model, LoRA) namespace while `--max-models` exist: what needed it is not applied.
+    ModelLimit,
 }
 
 /// The largest forward jump of `Kv-Seq` within one epoch that is believed: a million batches
@@ -104,7 +115,7 @@ pub enum RejectReason {
 pub const MAX_SEQ_JUMP: u64 = 1_000_000;
 
 impl RejectReason {
-    pub const ALL: [RejectReason; 11] = [
+    pub const ALL: [RejectReason; 13] = [
         RejectReason::MalformedPayload,
         RejectReason::UnknownEventTag,
         RejectReason::InvalidField,
@@ -116,6 +127,8 @@ impl RejectReason {
         RejectReason::UnknownLifecycleOp,
         RejectReason::InvalidHeader,
         RejectReason::SeqJump,
+        RejectReason::WorkerLimit,
+        RejectReason::ModelLimit,
     ];
 
     /// The metric label.
@@ -132,6 +145,8 @@ impl RejectReason {
             RejectReason::UnknownLifecycleOp => "unknown_lifecycle_op",
             RejectReason::InvalidHeader => "invalid_header",
             RejectReason::SeqJump => "seq_jump",
+            RejectReason::WorkerLimit => "worker_limit",
+            RejectReason::ModelLimit => "model_limit",
         }
     }
 }
@@ -269,6 +284,12 @@ impl KvEventBatch {
         )
     }
 }
+
+/// Largest `running`, `waiting` or `max_running` a load sample may carry: no engine rank runs
+/// or queues a million requests, so a larger count is a broken or hostile publisher, rejected
+/// (`invalid_load_value`) rather than ranked. It bounds the queue part of pressure at
+/// 2,000,000.
+pub const MAX_LOAD_COUNT: u32 = 1_000_000;
 
 /// A load sample (`kv.load.<worker>`), validated: `kv_usage` is finite and within 0..=1.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -59,6 +59,28 @@ pub struct RouterConfig {
     /// data, and passes the same value at every start; replicas need not share it.
     #[serde(default)]
     pub reservation_secret: Option<crate::replicas::ReservationSecret>,
+    /// Most workers (ids) known at once: a message from a new worker beyond it is rejected
+    /// (`worker_limit`), so a publisher inventing ids cannot grow the state without bound.
+    #[serde(default = "default_max_workers")]
+    pub max_workers: usize,
+    /// Most (model, LoRA) namespaces: a KV event, declaration or route needing a new one beyond
+    /// it is rejected (`model_limit`), and so are block sizes declared for new models.
+    #[serde(default = "default_max_models")]
+    pub max_models: usize,
+}
+
+/// `--max-workers` by default.
+pub const DEFAULT_MAX_WORKERS: usize = 10_000;
+/// `--max-models` by default.
+pub const DEFAULT_MAX_MODELS: usize = 256;
+
+// Journals written before the caps existed configure them by default.
+fn default_max_workers() -> usize {
+    DEFAULT_MAX_WORKERS
+}
+
+fn default_max_models() -> usize {
+    DEFAULT_MAX_MODELS
 }
 
 impl Default for RouterConfig {
@@ -74,6 +96,8 @@ impl Default for RouterConfig {
             worker_ttl_ms: 60_000,
             replica_id: String::new(),
             reservation_secret: None,
+            max_workers: DEFAULT_MAX_WORKERS,
+            max_models: DEFAULT_MAX_MODELS,
         }
     }
 }
@@ -273,8 +297,8 @@ impl Router {
         }
     }
 
-    /// Rows for `GET /v1/workers`: one per worker (over all its ranks), in the order workers
-    /// were first seen. Pressure is the highest fresh pressure of its ranks, telemetry age the
+    /// Rows for `GET /v1/workers`: one per worker (over all its ranks), in the order of their
+    /// first slot. Pressure is the highest fresh pressure of its ranks, telemetry age the
     /// youngest, reserved work and blocks the sums.
     pub fn worker_rows(&self, now: u64) -> Vec<WorkerRow> {
         let max_age = self.config.policy.telemetry_max_age_ms;

@@ -1,7 +1,7 @@
 //! The worker table: who is known, in what state, how loaded, and how much work the router has
 //! reserved on each.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -147,20 +147,30 @@ impl Departed {
     }
 }
 
-/// Worker ranks by slot. A slot is one (worker id, dp rank) and is never reused for another, so
-/// state keyed by slot (index, records, reservations) cannot be confused between workers or
-/// ranks.
+/// Worker ranks by slot. A slot is one live (worker id, dp rank); when the rank leaves or ages
+/// out, everything keyed by its slot (ownership, records, reservations, provisional owners) is
+/// dropped with it (`Router::remove_slot`), and only then is the slot free for another rank.
+/// A new rank takes the lowest free slot and free slots at the end of the table are cut off, so
+/// the table (and every per-slot vector sized by it) shrinks back after a churn of workers,
+/// and slot numbers are a function of the live ranks alone: a router restored from a snapshot
+/// allocates exactly as the one that wrote it.
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct Workers {
     slots: Vec<Option<Worker>>,
-    /// The (id, dp rank) each slot was allocated for.
+    /// Written empty: a slot's (id, rank) is its worker's own. Snapshots written before slots
+    /// were reused list every slot ever allocated here; they still decode, and the list is
+    /// dropped.
+    #[serde(default)]
     keys: Vec<(WorkerId, u32)>,
     departed: Departed,
     #[serde(skip)]
     by_key: FxHashMap<(WorkerId, u32), Slot>,
-    /// Every slot ever allocated for an id, in rank order of allocation.
+    /// The live slots of each live id, in slot order.
     #[serde(skip)]
     by_id: FxHashMap<WorkerId, SmallVec<[Slot; 1]>>,
+    /// Free slots below the end of the table; the lowest is taken first.
+    #[serde(skip)]
+    free: BTreeSet<Slot>,
     /// Departure time per departed id (mirror of `departed.order`).
     #[serde(skip)]
     departed_at: FxHashMap<WorkerId, u64>,
@@ -183,11 +193,17 @@ impl Workers {
         let slot = match self.by_key.get(&(id.clone(), dp_rank)) {
             Some(&slot) => slot,
             None => {
-                let slot = self.slots.len() as Slot;
-                self.slots.push(None);
-                self.keys.push((id.clone(), dp_rank));
+                let slot = match self.free.pop_first() {
+                    Some(slot) => slot,
+                    None => {
+                        self.slots.push(None);
+                        (self.slots.len() - 1) as Slot
+                    }
+                };
                 self.by_key.insert((id.clone(), dp_rank), slot);
-                self.by_id.entry(id.clone()).or_default().push(slot);
+                // Slot order, as `rebuild` lists them, so a restored router iterates alike.
+                let slots = self.by_id.entry(id.clone()).or_default();
+                slots.insert(slots.partition_point(|&s| s < slot), slot);
                 slot
             }
         };
@@ -236,20 +252,22 @@ impl Workers {
 
     /// The slot of rank `dp_rank` of `id`, if it is live.
     pub fn slot_of(&self, id: &WorkerId, dp_rank: u32) -> Option<Slot> {
-        self.by_key
-            .get(&(id.clone(), dp_rank))
-            .copied()
-            .filter(|&s| self.slots[s as usize].is_some())
+        self.by_key.get(&(id.clone(), dp_rank)).copied()
     }
 
-    /// The live slots of `id` (one per known rank), in allocation order.
+    /// The live slots of `id` (one per known rank), in slot order.
     pub fn slots_of<'a>(&'a self, id: &WorkerId) -> impl Iterator<Item = Slot> + 'a {
-        self.by_id
-            .get(id)
-            .into_iter()
-            .flatten()
-            .copied()
-            .filter(|&s| self.slots[s as usize].is_some())
+        self.by_id.get(id).into_iter().flatten().copied()
+    }
+
+    /// Whether `id` has a live rank.
+    pub fn is_known(&self, id: &WorkerId) -> bool {
+        self.by_id.contains_key(id)
+    }
+
+    /// Number of live workers (ids, whatever their ranks).
+    pub fn worker_count(&self) -> usize {
+        self.by_id.len()
     }
 
     /// Whether the worker of `slot` has more than one data-parallel rank (known or declared):
@@ -270,10 +288,28 @@ impl Workers {
         self.slots.get_mut(slot as usize).and_then(Option::as_mut)
     }
 
-    /// Forgets a worker rank (leave or age-out). Its slot stays reserved for its (id, rank).
+    /// Forgets a worker rank (leave or age-out) and frees its slot. The caller has dropped
+    /// everything keyed by the slot first ([`Workers`]).
     pub fn remove(&mut self, slot: Slot) -> Option<Worker> {
         self.mark_changed(slot);
-        self.slots.get_mut(slot as usize).and_then(Option::take)
+        let worker = self.slots.get_mut(slot as usize).and_then(Option::take)?;
+        self.by_key.remove(&(worker.id.clone(), worker.dp_rank));
+        if let Some(slots) = self.by_id.get_mut(&worker.id) {
+            slots.retain(|s| *s != slot);
+            if slots.is_empty() {
+                self.by_id.remove(&worker.id);
+            }
+        }
+        self.free.insert(slot);
+        // Free slots at the end are cut off, so the table shrinks back after a churn.
+        while self.slots.last().is_some_and(Option::is_none) {
+            self.slots.pop();
+            self.free.remove(&(self.slots.len() as Slot));
+        }
+        if self.slots.capacity() > 2 * self.slots.len() + 16 {
+            self.slots.shrink_to_fit();
+        }
+        Some(worker)
     }
 
     /// Notes that the rank of `slot` may have changed (every mutable access goes through here).
@@ -314,22 +350,31 @@ impl Workers {
             .filter_map(|(i, w)| w.as_mut().map(|w| (i as Slot, w)))
     }
 
-    /// Number of slots ever allocated (an upper bound for slot numbers).
+    /// Length of the slot table (an upper bound for live slot numbers).
     pub fn slot_count(&self) -> usize {
         self.slots.len()
     }
 
     /// Rebuilds the lookups after deserialization.
     pub fn rebuild(&mut self) {
-        self.by_key = self
-            .keys
-            .iter()
-            .enumerate()
-            .map(|(i, k)| (k.clone(), i as Slot))
-            .collect();
+        self.keys = Vec::new();
+        while self.slots.last().is_some_and(Option::is_none) {
+            self.slots.pop();
+        }
+        self.by_key.clear();
         self.by_id.clear();
-        for (i, (id, _)) in self.keys.iter().enumerate() {
-            self.by_id.entry(id.clone()).or_default().push(i as Slot);
+        self.free.clear();
+        for (i, w) in self.slots.iter().enumerate() {
+            let slot = i as Slot;
+            match w {
+                Some(w) => {
+                    self.by_key.insert((w.id.clone(), w.dp_rank), slot);
+                    self.by_id.entry(w.id.clone()).or_default().push(slot);
+                }
+                None => {
+                    self.free.insert(slot);
+                }
+            }
         }
         self.departed_at = self
             .departed

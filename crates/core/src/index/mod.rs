@@ -21,8 +21,11 @@ mod slab;
 pub use approx::ApproxIndex;
 pub use owners::{IndexStats, OwnerIndex};
 
-use rustc_hash::FxHashMap;
+use std::hash::{Hash, Hasher};
+
+use rustc_hash::{FxHashMap, FxHasher};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::input::Medium;
 
@@ -41,50 +44,76 @@ pub struct Namespace {
 }
 
 /// Interns namespaces into dense ids. Ids are never reused, so they are stable for the life of
-/// the state (and across snapshots).
+/// the state (and across snapshots). Every namespace costs memory for the life of the state,
+/// so the count is capped by the caller ([`Namespaces::intern`]'s `max`).
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct Namespaces {
     names: Vec<Namespace>,
+    /// Hash of (model, lora) → the ids with that hash: a lookup hashes the borrowed names and
+    /// builds no owned key, and costs the same with 1 namespace or `--max-models`.
     #[serde(skip)]
-    ids: FxHashMap<Namespace, NsId>,
+    ids: FxHashMap<u64, SmallVec<[NsId; 1]>>,
+}
+
+fn name_hash(model: Option<&str>, lora: Option<&str>) -> u64 {
+    let mut h = FxHasher::default();
+    (model, lora).hash(&mut h);
+    h.finish()
 }
 
 impl Namespaces {
-    pub fn intern(&mut self, model: Option<&str>, lora: Option<&str>) -> NsId {
-        let ns = Namespace {
-            model: model.map(str::to_owned),
-            lora: lora.map(str::to_owned),
-        };
-        if let Some(&id) = self.ids.get(&ns) {
-            return id;
+    /// The id of (model, lora), creating it if there are fewer than `max` namespaces. `None`
+    /// when it is new and the cap is reached: the caller rejects what needed it.
+    pub fn intern(&mut self, model: Option<&str>, lora: Option<&str>, max: usize) -> Option<NsId> {
+        if let Some(id) = self.get(model, lora) {
+            return Some(id);
+        }
+        if self.names.len() >= max {
+            return None;
         }
         let id = self.names.len() as NsId;
-        self.names.push(ns.clone());
-        self.ids.insert(ns, id);
-        id
+        self.names.push(Namespace {
+            model: model.map(str::to_owned),
+            lora: lora.map(str::to_owned),
+        });
+        self.ids.entry(name_hash(model, lora)).or_default().push(id);
+        Some(id)
     }
 
     /// The id of a namespace that has been seen, without creating it.
     pub fn get(&self, model: Option<&str>, lora: Option<&str>) -> Option<NsId> {
-        // Namespaces are few; a linear scan avoids building an owned key for each lookup.
-        self.names
+        self.ids
+            .get(&name_hash(model, lora))?
             .iter()
-            .position(|ns| ns.model.as_deref() == model && ns.lora.as_deref() == lora)
-            .map(|i| i as NsId)
+            .copied()
+            .find(|&id| {
+                let ns = &self.names[id as usize];
+                ns.model.as_deref() == model && ns.lora.as_deref() == lora
+            })
     }
 
     pub fn name(&self, id: NsId) -> &Namespace {
         &self.names[id as usize]
     }
 
+    /// Number of namespaces.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
     /// Rebuilds the lookup map after deserialization.
     pub fn rebuild(&mut self) {
-        self.ids = self
-            .names
-            .iter()
-            .enumerate()
-            .map(|(i, ns)| (ns.clone(), i as NsId))
-            .collect();
+        self.ids.clear();
+        for (i, ns) in self.names.iter().enumerate() {
+            self.ids
+                .entry(name_hash(ns.model.as_deref(), ns.lora.as_deref()))
+                .or_default()
+                .push(i as NsId);
+        }
     }
 }
 
@@ -123,5 +152,58 @@ impl LowerTiers {
     pub fn move_namespace(&mut self, slot: Slot, from: NsId, to: NsId) {
         self.host.move_namespace(slot, from, to);
         self.disk.move_namespace(slot, from, to);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespaces_are_found_by_name_and_capped_at_max() {
+        let mut names = Namespaces::default();
+        let max = 256;
+        let name = |i: usize| {
+            (
+                format!("model-{}", i / 2),
+                (i % 2 == 1).then(|| format!("l{i}")),
+            )
+        };
+        for i in 0..max {
+            let (m, l) = name(i);
+            assert_eq!(
+                names.intern(Some(&m), l.as_deref(), max),
+                Some(i as NsId),
+                "namespace {i} is created in order"
+            );
+        }
+        assert_eq!(
+            names.intern(Some("one-too-many"), None, max),
+            None,
+            "no namespace past the cap"
+        );
+        assert_eq!(names.get(Some("one-too-many"), None), None);
+        let mut restored: Namespaces =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&names).unwrap()).unwrap();
+        restored.rebuild();
+        for table in [&mut names, &mut restored] {
+            for i in 0..max {
+                let (m, l) = name(i);
+                assert_eq!(
+                    table.get(Some(&m), l.as_deref()),
+                    Some(i as NsId),
+                    "namespace {i}"
+                );
+                assert!(
+                    table.intern(Some(&m), l.as_deref(), 0).is_some(),
+                    "an existing namespace is found even at the cap"
+                );
+            }
+            assert_eq!(
+                table.get(None, None),
+                None,
+                "the default namespace was never made"
+            );
+        }
     }
 }

@@ -155,6 +155,18 @@ impl OwnerIndex {
         count
     }
 
+    /// Drops the (empty) per-slot tables of slots at or above `slots`, the worker table's new
+    /// length, so they shrink with it after a churn of workers.
+    pub fn truncate_slots(&mut self, slots: usize) {
+        debug_assert!(self.workers.iter().skip(slots).all(Vec::is_empty));
+        if self.workers.len() > slots {
+            self.workers.truncate(slots);
+            if self.workers.capacity() > 2 * slots + 16 {
+                self.workers.shrink_to_fit();
+            }
+        }
+    }
+
     /// Moves every block `slot` holds in namespace `from` to namespace `to` (keys do not depend
     /// on the namespace). Returns how many blocks moved.
     pub fn move_namespace(&mut self, slot: Slot, from: NsId, to: NsId) -> usize {

@@ -11,18 +11,54 @@ impl Router {
                 ..Default::default()
             };
         }
+        if let Err(rejection) = self.admit(&sample.worker, sample.dp_rank, "load sample") {
+            return IngestReport {
+                rejections: vec![rejection],
+                ..Default::default()
+            };
+        }
         let (slot, new_worker) = self
             .state
             .workers
             .touch(&sample.worker, sample.dp_rank, now);
         self.state.workers.apply_load(slot, sample, now);
-        if let Some(model) = &sample.model {
-            self.declare_model(&sample.worker, model);
-        }
-        IngestReport {
+        let mut report = IngestReport {
             new_worker,
             ..Default::default()
+        };
+        if let Some(model) = &sample.model {
+            report
+                .rejections
+                .extend(self.declare_model(&sample.worker, model));
         }
+        report
+    }
+
+    /// Whether a message of `id`'s rank `dp_rank` may create state: a rank below
+    /// [`MAX_DP_SIZE`], and a known worker or room for a new one under `max_workers`. Workers
+    /// already known are never refused, so a flood of invented ids cannot push them out.
+    pub(super) fn admit(&self, id: &WorkerId, dp_rank: u32, what: &str) -> Result<(), Rejection> {
+        if dp_rank >= MAX_DP_SIZE {
+            return Err(Rejection::new(
+                RejectReason::InvalidField,
+                format!(
+                    "worker {id}: {what} for dp rank {dp_rank}, ranks are below {MAX_DP_SIZE}; \
+                     not applied"
+                ),
+            ));
+        }
+        let workers = &self.state.workers;
+        if !workers.is_known(id) && workers.worker_count() >= self.config.max_workers {
+            return Err(Rejection::new(
+                RejectReason::WorkerLimit,
+                format!(
+                    "{what} from new worker {id} rejected: {} workers are known, the limit \
+                     (--max-workers)",
+                    workers.worker_count()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Whether `id` left (sticky leave) and has neither joined again nor been gone for
@@ -38,8 +74,11 @@ impl Router {
     /// Events that arrived before the declaration, with no `Kv-Model` header, were filed under
     /// no model: the rule is that a worker's blocks belong to the model it declares, so they
     /// move to that model's namespace (same LoRA) the moment it first declares one, and routes
-    /// naming the model see them. Blocks filed under an explicit `Kv-Model` never move.
-    pub(super) fn declare_model(&mut self, id: &WorkerId, model: &str) {
+    /// naming the model see them. Blocks filed under an explicit `Kv-Model` never move. When
+    /// the model's namespace cannot be created (`max_models`), they stay where they are and
+    /// the rejection is returned.
+    pub(super) fn declare_model(&mut self, id: &WorkerId, model: &str) -> Option<Rejection> {
+        let mut rejection = None;
         let slots: Vec<Slot> = self.state.workers.slots_of(id).collect();
         for slot in slots {
             let w = self.state.workers.get_mut(slot).expect("live slot");
@@ -62,11 +101,46 @@ impl Router {
                 .collect();
             for ns in from {
                 let lora = self.state.namespaces.name(ns).lora.clone();
-                let to = self.state.namespaces.intern(Some(model), lora.as_deref());
+                let Some(to) = self.intern(Some(model), lora.as_deref()) else {
+                    rejection = Some(self.model_limit(
+                        id,
+                        Some(model),
+                        lora.as_deref(),
+                        "its blocks stay filed under no model",
+                    ));
+                    continue;
+                };
                 self.state.index.move_namespace(slot, ns, to);
                 self.state.lower.move_namespace(slot, ns, to);
             }
         }
+        rejection
+    }
+
+    /// The namespace of (model, lora), created if `max_models` allows.
+    pub(super) fn intern(&mut self, model: Option<&str>, lora: Option<&str>) -> Option<NsId> {
+        self.state
+            .namespaces
+            .intern(model, lora, self.config.max_models)
+    }
+
+    pub(super) fn model_limit(
+        &self,
+        id: &WorkerId,
+        model: Option<&str>,
+        lora: Option<&str>,
+        outcome: &str,
+    ) -> Rejection {
+        Rejection::new(
+            RejectReason::ModelLimit,
+            format!(
+                "worker {id}: model {} lora {} would be a new namespace, {} exist, the limit \
+                 (--max-models); {outcome}",
+                model.unwrap_or("(none)"),
+                lora.unwrap_or("(none)"),
+                self.state.namespaces.len()
+            ),
+        )
     }
 
     /// Drops everything a worker rank is believed to hold: device and lower-tier ownership and
@@ -102,6 +176,10 @@ impl Router {
         let mut report = IngestReport::default();
         if self.is_departed(&batch.worker, now) {
             report.departed = true;
+            return report;
+        }
+        if let Err(rejection) = self.admit(&batch.worker, batch.dp_rank, "KV event batch") {
+            report.rejections.push(rejection);
             return report;
         }
         let (slot, new_worker) = self.state.workers.touch(&batch.worker, batch.dp_rank, now);
@@ -166,7 +244,15 @@ impl Router {
                         ));
                         continue;
                     }
-                    let ns = self.state.namespaces.intern(model, lora.as_deref());
+                    let Some(ns) = self.intern(model, lora.as_deref()) else {
+                        report.rejections.push(self.model_limit(
+                            &batch.worker,
+                            model,
+                            lora.as_deref(),
+                            "BlockStored not applied",
+                        ));
+                        continue;
+                    };
                     let parent_key = parent.and_then(|p| self.parent_key(slot, ns, *medium, p));
                     if parent.is_some() && parent_key.is_none() {
                         report.orphan_blocks += n;
@@ -279,6 +365,10 @@ impl Router {
                 }
             }
         }
+        if let Err(rejection) = self.admit(id, 0, "lifecycle message") {
+            report.rejections.push(rejection);
+            return report;
+        }
         // A bad field is rejected (counted) and the op still applied.
         let dp_size = match msg.dp_size {
             Some(n) if n == 0 || n > MAX_DP_SIZE => {
@@ -363,12 +453,24 @@ impl Router {
             }
         }
         if let (Some(model), Some(size)) = (&model, block_size) {
-            if !self.config.model_block_sizes.contains_key(model) {
-                self.state.declared_block_sizes.insert(model.clone(), size);
+            let declared = &mut self.state.declared_block_sizes;
+            let fixed = self.config.model_block_sizes.contains_key(model);
+            let room = declared.contains_key(model) || declared.len() < self.config.max_models;
+            if !fixed && room {
+                declared.insert(model.clone(), size);
+            } else if !fixed {
+                report.rejections.push(Rejection::new(
+                    RejectReason::ModelLimit,
+                    format!(
+                        "worker {id}: block size of new model {model} not recorded, {} models \
+                         have one, the limit (--max-models)",
+                        declared.len()
+                    ),
+                ));
             }
         }
         if let Some(model) = &msg.model {
-            self.declare_model(id, model);
+            report.rejections.extend(self.declare_model(id, model));
         }
         report
     }
@@ -380,5 +482,10 @@ impl Router {
         state.reservations.forget_worker(slot);
         state.provisional.retain(|_, p| p.slot != slot);
         state.workers.remove(slot);
+        // The slot table may have shrunk: per-slot tables shrink with it.
+        let slots = state.workers.slot_count();
+        state.index.truncate_slots(slots);
+        state.lower.host.truncate_slots(slots);
+        state.lower.disk.truncate_slots(slots);
     }
 }

@@ -113,11 +113,11 @@ impl Router {
 
     /// Records what a route did besides its provisional owner, for a local route and a peer's
     /// alike: its reserved work on `slot` (unless `None`) and approximate ownership of `keys`
-    /// in namespace `ns` for `slot`, so the next turn of a trajectory stays on it before its KV
+    /// in namespace `ns` (none: nothing to record under) for `slot`, so the next turn of a trajectory stays on it before its KV
     /// events arrive.
     pub(super) fn record_route_effects(
         &mut self,
-        ns: NsId,
+        ns: Option<NsId>,
         keys: &[u64],
         slot: Slot,
         reserve: Option<Reserve>,
@@ -133,9 +133,11 @@ impl Router {
                 now.saturating_add(self.config.reservation_ttl_ms),
             );
         }
-        self.state
-            .approx
-            .record(ns, keys, slot, now + self.config.approx_ttl_ms);
+        if let Some(ns) = ns {
+            self.state
+                .approx
+                .record(ns, keys, slot, now + self.config.approx_ttl_ms);
+        }
     }
 
     /// The event peers need to follow a local route; none (and nothing copied) when the
@@ -272,12 +274,13 @@ impl Router {
                 prefill: route.prefill,
             }),
         };
-        let ns = self
+        let known = self
             .state
             .namespaces
-            .intern(route.model.as_deref(), route.lora.as_deref());
+            .get(route.model.as_deref(), route.lora.as_deref());
+        let ns = self.route_namespace(known, route.model.as_deref(), route.lora.as_deref(), slot);
         self.record_route_effects(ns, &route.keys, slot, reserve, now);
-        if let Some(prefix) = route.spilled_prefix {
+        if let (Some(ns), Some(prefix)) = (ns, route.spilled_prefix) {
             let incoming = ProvisionalOwner { slot, spilled_ms };
             self.merge_provisional(ns, prefix, incoming, now, report);
         }

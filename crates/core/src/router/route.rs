@@ -99,6 +99,31 @@ impl Router {
         }
     }
 
+    /// The namespace a route's effects are recorded under. A route never creates a namespace
+    /// for a name no worker announced: only the default one, or the model the chosen worker
+    /// declared (without a LoRA, which only KV events name), and only within `max_models`.
+    /// Otherwise there is nothing to record under. A peer's route follows the same rule, so
+    /// replicas agree on the namespaces they hold.
+    pub(super) fn route_namespace(
+        &mut self,
+        known: Option<NsId>,
+        model: Option<&str>,
+        lora: Option<&str>,
+        slot: Slot,
+    ) -> Option<NsId> {
+        if known.is_some() {
+            return known;
+        }
+        let announced = lora.is_none()
+            && (model.is_none()
+                || self.state.workers.get(slot).and_then(|w| w.model.as_deref()) == model);
+        if announced {
+            self.intern(model, lora)
+        } else {
+            None
+        }
+    }
+
     pub(super) fn route(&mut self, req: &RouteRequest, seq: u64, now: u64) -> Option<Decision> {
         let ns = self
             .state
@@ -260,13 +285,9 @@ impl Router {
             work,
             prefill,
         };
-        let ns = ns.unwrap_or_else(|| {
-            self.state
-                .namespaces
-                .intern(req.model.as_deref(), req.lora.as_deref())
-        });
+        let ns = self.route_namespace(ns, req.model.as_deref(), req.lora.as_deref(), slot);
         self.record_route_effects(ns, &req.keys, slot, Some(reserve), now);
-        if let Some(prefix) = choice.spilled_prefix {
+        if let (Some(ns), Some(prefix)) = (ns, choice.spilled_prefix) {
             self.state.provisional.insert(
                 (ns, prefix),
                 ProvisionalOwner {

@@ -27,10 +27,7 @@ use super::KvHeaders;
 use crate::hashing::local_hash;
 use crate::input::{KvEvent, KvEventBatch, Medium, RejectReason, Rejection, StoredBlock, WorkerId};
 
-/// Longest name accepted, in bytes, for the names the core keeps (a LoRA name, `Kv-Model`, a
-/// load sample's or lifecycle message's `model`): each becomes a namespace or a worker's model,
-/// so a hostile publisher must not be able to make the core hold megabytes of them.
-pub(super) const MAX_NAME_LEN: usize = 256;
+pub(super) use crate::input::MAX_NAME_LEN;
 
 /// Decodes a `kv.events.<worker>` payload into the core's batch.
 ///

@@ -11,12 +11,12 @@ use rmpv::ValueRef;
 
 use super::kv::MAX_NAME_LEN;
 use super::value::{as_number, as_str, got, kind, map_get, present, read_single};
-use crate::input::{LoadSample, RejectReason, Rejection, WorkerId};
+use crate::input::{LoadSample, RejectReason, Rejection, WorkerId, MAX_LOAD_COUNT};
 
 /// Decodes and validates a `kv.load.<worker>` payload.
 ///
 /// `kv_usage` must be a finite number in 0..=1 (an integer 0 or 1 is fine); `running`,
-/// `waiting` and `max_running` non-negative integers fitting u32; `ts` (the worker's clock,
+/// `waiting` and `max_running` integers in 0..=[`MAX_LOAD_COUNT`]; `ts` (the worker's clock,
 /// informational: staleness is judged by the daemon's receive time) a finite number;
 /// `model` a string of at most 256 bytes (empty means none). The data-parallel rank is not in
 /// the payload: the caller sets it from the `Kv-Dp-Rank` header. Wrong types and missing required keys are
@@ -88,14 +88,21 @@ fn required<'v, 'a>(
     })
 }
 
-/// A non-negative integer fitting u32: other kinds are the wrong type, other integers are out
-/// of range.
+/// An integer in 0..=[`MAX_LOAD_COUNT`]: other kinds are the wrong type, other integers are
+/// out of range.
 fn count(v: &ValueRef<'_>, field: &str) -> Result<u32, Rejection> {
     match v {
         ValueRef::Integer(i) => i
             .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| out_of_range(field, "a non-negative integer fitting u32", &got(v))),
+            .filter(|&n| n <= u64::from(MAX_LOAD_COUNT))
+            .map(|n| n as u32)
+            .ok_or_else(|| {
+                out_of_range(
+                    field,
+                    &format!("an integer in 0..={MAX_LOAD_COUNT}"),
+                    &got(v),
+                )
+            }),
         other => Err(wrong_type(field, "a non-negative integer", other)),
     }
 }

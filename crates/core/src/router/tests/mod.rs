@@ -8,6 +8,7 @@ use crate::policy::{DecisionLabel, PolicyKind};
 use crate::reservations::ReleasePhase;
 
 mod baselines;
+mod bounds;
 mod engines;
 mod events;
 mod peers;

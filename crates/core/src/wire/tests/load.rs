@@ -1,6 +1,7 @@
 //! Load samples.
 
 use super::*;
+use crate::input::MAX_LOAD_COUNT;
 
 fn load(v: serde_json::Value) -> Result<crate::input::LoadSample, Rejection> {
     decode_load(&mp(v), worker())
@@ -90,6 +91,35 @@ fn non_finite_or_out_of_range_load_values_are_invalid_load_value() {
             "{case} has an out-of-range value"
         );
     }
+}
+
+#[test]
+fn queue_counts_above_a_million_are_rejected_so_pressure_stays_bounded() {
+    // u32::MAX running and waiting over max_running 1 made a pressure of 8.6e9.
+    for field in ["running", "waiting", "max_running"] {
+        let mut sample = json!({"kv_usage": 0.5, "running": 1, "waiting": 1, "max_running": 1});
+        sample[field] = json!(u32::MAX);
+        assert_eq!(
+            load(sample.clone()).unwrap_err().reason,
+            RejectReason::InvalidLoadValue,
+            "{field} = u32::MAX is out of range"
+        );
+        sample[field] = json!(MAX_LOAD_COUNT + 1);
+        assert_eq!(
+            load(sample.clone()).unwrap_err().reason,
+            RejectReason::InvalidLoadValue,
+            "{field} just above the bound is out of range"
+        );
+    }
+    let at_bound = load(json!({
+        "kv_usage": 0.5, "running": MAX_LOAD_COUNT, "waiting": MAX_LOAD_COUNT, "max_running": 1
+    }))
+    .unwrap();
+    assert_eq!(
+        at_bound.pressure(),
+        2.0 * MAX_LOAD_COUNT as f64,
+        "the largest accepted sample's pressure is the documented bound"
+    );
 }
 
 #[test]
