@@ -13,7 +13,9 @@
 //! - [`writer`]: the single writer that journals and applies inputs in one order; acks after
 //!   the flush; snapshots. The typed API the HTTP handlers call.
 //! - [`status`]: readiness, written by recovery and ingest, read by `/readyz`.
-//! - [`ingest`]: NATS subscriptions and the JetStream consumer; decodes payloads into inputs.
+//! - [`ingest`]: NATS subscriptions and the JetStream consumers; decodes payloads into inputs.
+//! - [`decisions`]: publishing this replica's decisions for its peers (theirs arrive through
+//!   ingest).
 //! - [`http`]: the gateway API (routes, releases, workers, health, metrics).
 //! - [`journal`]: the sled journal and snapshots; export for audits.
 //! - [`replay`]: re-applies a journal through the core (audit and counterfactuals).
@@ -31,6 +33,7 @@ pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wir
 pub mod bridge;
 pub mod config;
 pub mod daemon;
+pub mod decisions;
 pub mod demo;
 pub mod http;
 pub mod ingest;

@@ -15,22 +15,6 @@ use serde_json::{json, Value};
 /// Blocks per stored prompt (and per `BlockStored` batch): a typical KV event batch.
 const PROMPT_BLOCKS: usize = 32;
 
-/// `kvrouted replay --verify` of a data dir (`source` `--data-dir`) or an export (`--journal`),
-/// writing the decisions to `out` if given; returns (success, stdout, stderr).
-fn replay_verify(source: &str, path: &Path, out: Option<&Path>) -> (bool, String, String) {
-    let mut args: Vec<&std::ffi::OsStr> = vec![
-        "replay".as_ref(),
-        source.as_ref(),
-        path.as_os_str(),
-        "--verify".as_ref(),
-    ];
-    if let Some(out) = out {
-        args.extend(["--out".as_ref(), out.as_os_str()]);
-    }
-    let (ok, _, stdout, stderr) = kvrouted(args);
-    (ok, stdout, stderr)
-}
-
 /// `kvrouted journal export` of the data dir `dir` into `work`; returns the export's path.
 fn export_journal(dir: &Path, work: &Path) -> PathBuf {
     let exported = work.join("journal.kvj");

@@ -221,6 +221,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // still says recovering). Only now that this process holds the data dir's lock.
     if !args.no_jetstream {
         rewind_consumer(&client, &args.stream, &args.consumer).await;
+        rewind_consumer(&client, &args.decisions_stream(), &args.decisions_consumer()).await;
     }
     // Hand the socket over: the recovering server stops accepting (connections arriving
     // meanwhile wait in the backlog), then the real API serves them.
@@ -253,6 +254,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         consumer: args.consumer.clone(),
         jetstream: !args.no_jetstream,
         max_payload_bytes: args.max_body_bytes,
+        stream_replicas: args.stream_replicas.into(),
+        replica_id: args.replica_id(),
+        decisions_stream: args.decisions_stream(),
+        decisions_max_age: args.decisions_max_age,
+        decisions_consumer: args.decisions_consumer(),
     };
     tokio::spawn(ingest::run(
         client.clone(),

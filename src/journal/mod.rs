@@ -5,7 +5,8 @@
 //!
 //! - tree `journal`: sequence number (u64 big-endian) → [`JournalEntry`] (MessagePack);
 //! - tree `snapshots`: sequence number covered → [`Snapshot`] (MessagePack); the latest two kept;
-//! - tree `meta`: `schema_version`.
+//! - tree `meta`: `schema_version`; `reservation_secret` (32 random bytes, made on the first
+//!   start: the key of this replica's reservation ids).
 //!
 //! Restart = the latest snapshot + the journal after it. The journal is also the audit log that
 //! `kvrouted replay` re-applies.
@@ -279,6 +280,26 @@ impl Journal {
     pub async fn flush_async(&self) -> Result<()> {
         self.db.flush_async().await?;
         Ok(())
+    }
+
+    /// The secret this data dir's reservation ids are derived with: 32 random bytes from the
+    /// operating system, made and flushed on the first call, the same on every later start. Kept
+    /// beside the journal, so a replica's ids stay unguessable and unique across restarts.
+    pub fn reservation_secret(&self) -> Result<[u8; 32]> {
+        const KEY: &str = "reservation_secret";
+        let meta = self.db.open_tree("meta")?;
+        if let Some(v) = meta.get(KEY)? {
+            return v.as_ref().try_into().map_err(|_| JournalError::Corrupt {
+                seq: 0,
+                detail: format!("{KEY} is not 32 bytes"),
+            });
+        }
+        let mut secret = [0u8; 32];
+        getrandom::fill(&mut secret)
+            .map_err(|e| std::io::Error::other(format!("no randomness for the secret: {e}")))?;
+        meta.insert(KEY, &secret)?;
+        self.db.flush()?;
+        Ok(secret)
     }
 
     /// Sequence number of the last journaled entry.

@@ -377,3 +377,31 @@ fn inputs_journaled_before_epochs_and_tiers_still_decode() {
         "Other decodes as the disk tier"
     );
 }
+
+#[test]
+fn the_reservation_secret_is_made_once_per_data_dir_and_kept_across_restarts() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let first = Journal::open(dir.path()).unwrap();
+    let secret = first.reservation_secret().unwrap();
+    assert_eq!(
+        first.reservation_secret().unwrap(),
+        secret,
+        "asking again gives the same secret"
+    );
+    drop(first);
+    let again = reopen(dir.path(), Journal::open).unwrap();
+    assert_eq!(
+        again.reservation_secret().unwrap(),
+        secret,
+        "a restart keeps the secret, so reservation ids stay unique and unguessable"
+    );
+    let other = tempfile::TempDir::new().unwrap();
+    assert_ne!(
+        Journal::open(other.path())
+            .unwrap()
+            .reservation_secret()
+            .unwrap(),
+        secret,
+        "another data dir (another replica) has its own secret"
+    );
+}
