@@ -358,7 +358,7 @@ impl Sim<'_> {
                         reservation,
                         phase: Some(ReleasePhase::Prefill),
                     });
-                    if out == (Output::Released { found: true }) {
+                    if matches!(out, Output::Released { found: true, .. }) {
                         self.first_token_releases += 1;
                     }
                 }

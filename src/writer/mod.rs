@@ -124,7 +124,7 @@ impl WriterHandle {
             .apply_gateway(Input::Release { reservation, phase })
             .await?
         {
-            Output::Released { found } => Ok(found),
+            Output::Released { found, .. } => Ok(found),
             other => {
                 unreachable!("the router answers a release with whether it found it: {other:?}")
             }

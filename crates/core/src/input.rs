@@ -354,6 +354,10 @@ pub enum Input {
     /// The daemon started with these settings. Journaled so a replay decides with the settings
     /// that were in force, and can override them for a counterfactual.
     Configure(Box<crate::router::RouterConfig>),
+    /// What a peer replica decided or released: applied as effects only (no decision of its
+    /// own, no event for peers), so replicas agree on approximate owners, spill cooldowns and
+    /// reserved work. Journaled like any input, so replay is exact.
+    Peer(Box<crate::replicas::PeerEvent>),
 }
 
 impl Input {
@@ -368,6 +372,7 @@ impl Input {
             Input::Tick => "tick",
             Input::Resume => "resume",
             Input::Configure(_) => "configure",
+            Input::Peer(_) => "peer",
         }
     }
 }

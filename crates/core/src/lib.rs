@@ -9,12 +9,14 @@
 //! # Layout
 //!
 //! - [`input`]: what goes in (KV event batches, load samples, lifecycle messages, routes,
-//!   releases, ticks), already validated and hashed by an adapter.
+//!   releases, ticks, peer replicas' decisions), already validated and hashed by an adapter.
 //! - [`router`]: the state machine and what comes out ([`router::Output`], decisions).
 //! - [`policy`]: the pressure-first longest-prefix policy, step by step, and the baselines.
 //! - [`index`]: who owns which block (KV events) and the router's own recent records.
 //! - [`workers`]: the worker table (state, telemetry, reserved work, sequence numbers).
 //! - [`reservations`]: reserved work opened by routes, given back by releases or expiry.
+//! - [`replicas`]: what replicas tell each other ([`replicas::PeerEvent`]) and reservation ids
+//!   unique across them.
 //! - [`hashing`]: block keys from token ids.
 //! - [`wire`]: pure decoders and encoders of the NATS payloads.
 
@@ -22,6 +24,7 @@ pub mod hashing;
 pub mod index;
 pub mod input;
 pub mod policy;
+pub mod replicas;
 pub mod reservations;
 pub mod router;
 pub mod wire;

@@ -44,6 +44,19 @@ pub struct RouterConfig {
     pub output_estimate: u64,
     /// A worker not heard from for this long is removed like a `leave`.
     pub worker_ttl_ms: u64,
+    /// This replica's id among routers sharing decisions: 1 to 128 characters from
+    /// `A-Z a-z 0-9 _ - :`, unique among the replicas and stable across restarts (it names the
+    /// replica's decision stream and keys its reservation ids). Empty for a router that runs
+    /// alone. Fields from here on are last and defaulted, so journals written before them still
+    /// decode (the journal writes structs as arrays).
+    #[serde(default)]
+    pub replica_id: String,
+    /// Keys reservation ids ([`crate::replicas::reservation_id`]): with it, ids are unique
+    /// across replicas and unguessable; without it they are the journal sequence (as in
+    /// journals written before it existed). The daemon generates it once, keeps it with its
+    /// data, and passes the same value at every start; replicas need not share it.
+    #[serde(default)]
+    pub reservation_secret: Option<crate::replicas::ReservationSecret>,
 }
 
 impl Default for RouterConfig {
@@ -57,6 +70,8 @@ impl Default for RouterConfig {
             reservation_ttl_ms: 600_000,
             output_estimate: 4096,
             worker_ttl_ms: 60_000,
+            replica_id: String::new(),
+            reservation_secret: None,
         }
     }
 }
@@ -98,6 +113,10 @@ pub struct RouterState {
     policy: PolicyState,
     /// Sequence number of the last input applied.
     last_seq: u64,
+    /// What this router knows of its peer replicas (last, and defaulted: snapshots written
+    /// before replicas existed still decode).
+    #[serde(default)]
+    peers: PeerState,
 }
 
 pub struct Router {
@@ -121,6 +140,7 @@ impl Router {
                 reservations: Reservations::default(),
                 policy: PolicyState::default(),
                 last_seq: 0,
+                peers: PeerState::default(),
             },
         }
     }
@@ -166,13 +186,9 @@ impl Router {
                 Some(decision) => Output::Routed(decision),
                 None => Output::NoCandidate,
             },
-            Input::Release { reservation, phase } => Output::Released {
-                found: self.state.reservations.release(
-                    &mut self.state.workers,
-                    *reservation,
-                    *phase,
-                ),
-            },
+            Input::Release { reservation, phase } => {
+                self.release(*reservation, *phase, stamped.seq, now)
+            }
             Input::Tick => Output::Tick(self.tick(now, expired as u64)),
             Input::Resume => {
                 let mut workers = 0;
@@ -186,6 +202,7 @@ impl Router {
                 self.configure((**config).clone());
                 Output::Configured
             }
+            Input::Peer(event) => Output::Peer(self.apply_peer(event, now)),
         }
     }
 
@@ -335,8 +352,12 @@ impl Router {
 
 mod ingest;
 mod output;
+mod peers;
 mod route;
 #[cfg(test)]
 mod tests;
 
-pub use output::{Decision, ExplainRow, IngestReport, Output, TickReport, TierDepths, WorkerRow};
+pub use output::{
+    Decision, ExplainRow, IngestReport, Output, PeerReport, TickReport, TierDepths, WorkerRow,
+};
+pub use peers::PeerState;

@@ -9,7 +9,10 @@
 //! - pressure-first never leaves a usable, unpressured owner: a request leaves its owners for a
 //!   new worker only when every owner is pressured, and every hold lands on a known owner;
 //! - decisions are a pure function of the journal: the same stamped inputs applied twice give
-//!   the same outputs and the same state.
+//!   the same outputs and the same state;
+//! - a peer replica's routes, spills and releases (`Input::Peer`) mixed into the journal keep
+//!   all of the above, and never make the router publish an event of its own (no echo), while
+//!   each local route and found release gives exactly one.
 
 use kvrouted_core::hashing::chain_locals;
 use kvrouted_core::input::{
@@ -17,6 +20,7 @@ use kvrouted_core::input::{
     Stamped, StoredBlock, WorkerId,
 };
 use kvrouted_core::policy::{DecisionLabel, PolicyKind};
+use kvrouted_core::replicas::{PeerEvent, PeerEventKind, PeerRoute};
 use kvrouted_core::router::{Decision, ExplainRow, Output, Router, RouterConfig};
 use kvrouted_core::workers::WorkerState;
 use proptest::prelude::*;
@@ -58,6 +62,17 @@ enum Step {
     Release {
         back: u64,
     },
+    /// A peer replica routed (and maybe spilled) a prompt to a worker.
+    PeerRoute {
+        worker: u8,
+        chain: u64,
+        blocks: u64,
+        spill: bool,
+    },
+    /// A peer replica released one of the peer's reservations.
+    PeerRelease {
+        back: u64,
+    },
     Tick,
     Advance {
         ms: u64,
@@ -85,6 +100,10 @@ fn step() -> impl Strategy<Value = Step> {
         6 => (chain, 1..10u64, any::<u8>())
             .prop_map(|(chain, blocks, exclude)| Step::Route { chain, blocks, exclude }),
         1 => (0..20u64).prop_map(|back| Step::Release { back }),
+        3 => (0..WORKERS, 0..CHAINS, 1..10u64, any::<bool>()).prop_map(
+            |(worker, chain, blocks, spill)| Step::PeerRoute { worker, chain, blocks, spill }
+        ),
+        1 => (0..20u64).prop_map(|back| Step::PeerRelease { back }),
         1 => Just(Step::Tick),
         2 => prop_oneof![0..2_000u64, 0..40_000u64].prop_map(|ms| Step::Advance { ms }),
     ]
@@ -102,6 +121,21 @@ fn local(chain: u64, b: u64) -> u64 {
 /// The engine's (opaque) hash of a block on a worker.
 fn engine_hash(worker: u8, chain: u64, b: u64) -> u64 {
     (u64::from(worker) << 32) | local(chain, b)
+}
+
+/// The peer's reservation id for the peer event at journal position `seq`: far from the local
+/// ones (journal sequences, as no secret is set).
+fn peer_reservation(seq: u64) -> u64 {
+    (1 << 40) + seq
+}
+
+fn peer_event(seq: u64, at_ms: u64, kind: PeerEventKind) -> Input {
+    Input::Peer(Box::new(PeerEvent {
+        replica: "peer".to_owned(),
+        seq,
+        at_ms,
+        kind,
+    }))
 }
 
 /// Turns random steps into the stamped inputs the daemon would journal.
@@ -187,6 +221,46 @@ fn journal(steps: &[Step]) -> Vec<Stamped> {
                 reservation: (stamped.len() as u64 + 1).saturating_sub(back),
                 phase: None,
             },
+            Step::PeerRoute {
+                worker,
+                chain,
+                blocks,
+                spill,
+            } => {
+                let keys = chain_locals((0..blocks).map(|b| local(chain, b)));
+                let seq = stamped.len() as u64 + 1;
+                peer_event(
+                    seq,
+                    at_ms,
+                    PeerEventKind::Routed(PeerRoute {
+                        model: None,
+                        lora: None,
+                        worker: worker_id(worker),
+                        dp_rank: 0,
+                        spilled_prefix: spill.then(|| *keys.last().expect("a block")),
+                        work: blocks * u64::from(BLOCK_SIZE) + 64,
+                        prefill: blocks * u64::from(BLOCK_SIZE),
+                        keys,
+                        reservation: peer_reservation(seq),
+                        decision: if spill {
+                            DecisionLabel::PressureSpill
+                        } else {
+                            DecisionLabel::OwnerHold
+                        },
+                    }),
+                )
+            }
+            Step::PeerRelease { back } => {
+                let seq = stamped.len() as u64 + 1;
+                peer_event(
+                    seq,
+                    at_ms,
+                    PeerEventKind::Released {
+                        reservation: peer_reservation(seq.saturating_sub(back)),
+                        phase: None,
+                    },
+                )
+            }
             Step::Tick => Input::Tick,
         };
         stamped.push(Stamped {
@@ -205,6 +279,8 @@ fn config(kind: PolicyKind, max_owners: usize) -> RouterConfig {
     };
     config.policy.kind = kind;
     config.policy.max_owners_per_prefix = max_owners;
+    // A replica: local routes and releases give events for peers.
+    config.replica_id = "local".to_owned();
     config
 }
 
@@ -321,6 +397,22 @@ fn run_checked(config: &RouterConfig, journal: &[Stamped]) -> (Router, Vec<Outpu
             _ => None,
         };
         let output = router.apply(stamped);
+        let publishes = match (&stamped.input, &output) {
+            (Input::Route(_), Output::Routed(_))
+            | (Input::Release { .. }, Output::Released { found: true, .. }) => true,
+            (Input::Peer(_), out) => {
+                assert!(matches!(out, Output::Peer(_)), "a peer input gave {out:?}");
+                false
+            }
+            _ => false,
+        };
+        assert_eq!(
+            output.peer_event().is_some(),
+            publishes,
+            "exactly local routes and found releases are published, peer inputs never: \
+             {:?} gave {output:?}",
+            stamped.input
+        );
         if let Some(candidates) = candidates {
             match &output {
                 Output::Routed(decision) => {

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::input::{Rejection, WorkerId};
 use crate::policy::DecisionLabel;
+use crate::replicas::PeerEvent;
 use crate::workers::WorkerState;
 
 /// A routing decision, as the HTTP API returns it and the journal records it.
@@ -29,6 +30,10 @@ pub struct Decision {
     pub request_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub explain: Option<Vec<ExplainRow>>,
+    /// What peer replicas must apply to agree with this decision (see [`Output::peer_event`]).
+    /// Not part of the reply or of the decision stream.
+    #[serde(skip)]
+    pub peer_event: Option<Box<PeerEvent>>,
 }
 
 /// Why a decision came out as it did: one row per known worker.
@@ -116,12 +121,60 @@ pub enum Output {
     NoCandidate,
     Released {
         found: bool,
+        /// The release for peer replicas, when it was found here (see [`Output::peer_event`]).
+        #[serde(skip)]
+        peer_event: Option<Box<PeerEvent>>,
     },
     Tick(TickReport),
     Resumed {
         workers: usize,
     },
     Configured,
+    /// A peer replica's event was applied (effects only).
+    Peer(PeerReport),
+}
+
+impl Output {
+    /// The event this replica must publish to its peers after applying the input: for a route
+    /// and for a release found here, unless the router runs alone (no replica id). Inputs that
+    /// came from peers never give one, so events do not echo between replicas.
+    pub fn peer_event(&self) -> Option<&PeerEvent> {
+        match self {
+            Output::Routed(decision) => decision.peer_event.as_deref(),
+            Output::Released { peer_event, .. } => peer_event.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// A local release's outcome: whether the reservation was known here.
+    pub fn released(found: bool) -> Output {
+        Output::Released {
+            found,
+            peer_event: None,
+        }
+    }
+}
+
+/// What applying a peer replica's event did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PeerReport {
+    /// The event came from this replica itself (its own stream read back): ignored.
+    pub own: bool,
+    /// At or below the last sequence applied from that replica (a redelivery): ignored.
+    pub duplicate: bool,
+    /// The route's worker rank is unknown here (not joined yet, or gone): nothing recorded.
+    pub unknown_worker: bool,
+    /// A spill of a prefix that already had a provisional owner inside its cooldown: the two
+    /// count as one, and every replica keeps the earlier of them.
+    pub coalesced_spill: bool,
+    /// The route's reservation id is already open here: its work was not added twice.
+    pub reservation_conflict: bool,
+    /// A release of a reservation known here, whose work was given back.
+    pub released: bool,
+    /// A release that arrived before the route it releases: remembered, and applied when the
+    /// route arrives.
+    pub early_release: bool,
+    pub rejection: Option<Rejection>,
 }
 
 /// One row of `GET /v1/workers`.

@@ -3,6 +3,7 @@
 //! owner of a spill) inside the same transition.
 
 use super::*;
+use crate::replicas::PeerRoute;
 
 impl Router {
     /// Longest consecutive match of `keys` per worker slot: authoritative or fresh approximate,
@@ -119,6 +120,7 @@ impl Router {
         let chosen = &views[choice.worker];
         let slot = chosen.slot;
         let worker_id = chosen.id.clone();
+        let rank = chosen.dp_rank;
         let dp_rank = self
             .state
             .workers
@@ -176,24 +178,18 @@ impl Router {
         let work = req.prompt_tokens.saturating_add(output);
         // The prefill part: the prompt tokens the chosen worker does not already hold.
         let prefill = req.prompt_tokens.saturating_sub(held_tokens);
-        self.state.reservations.open(
-            &mut self.state.workers,
-            seq,
-            slot,
+        let reservation = self.reservation_id(seq);
+        let reserve = peers::Reserve {
+            id: reservation,
             work,
             prefill,
-            now.saturating_add(self.config.reservation_ttl_ms),
-        );
+        };
         let ns = ns.unwrap_or_else(|| {
             self.state
                 .namespaces
                 .intern(req.model.as_deref(), req.lora.as_deref())
         });
-        // Every decision records approximate ownership of K for the chosen worker, so the next
-        // turn of a trajectory stays on it before its KV events arrive.
-        self.state
-            .approx
-            .record(ns, &req.keys, slot, now + self.config.approx_ttl_ms);
+        self.record_route_effects(ns, &req.keys, slot, Some(reserve), now);
         if let Some(prefix) = choice.spilled_prefix {
             self.state.provisional.insert(
                 (ns, prefix),
@@ -203,6 +199,18 @@ impl Router {
                 },
             );
         }
+        let peer_event = self.route_event(seq, now, || PeerRoute {
+            model: req.model.clone(),
+            lora: req.lora.clone(),
+            worker: worker_id.clone(),
+            dp_rank: rank,
+            keys: req.keys.clone(),
+            work,
+            prefill,
+            reservation,
+            spilled_prefix: choice.spilled_prefix,
+            decision: choice.label,
+        });
         Some(Decision {
             worker: worker_id,
             dp_rank,
@@ -210,9 +218,10 @@ impl Router {
             matched_blocks,
             prompt_blocks: req.keys.len() as u32,
             owners,
-            reservation: seq,
+            reservation,
             request_id: req.request_id.clone(),
             explain,
+            peer_event,
         })
     }
 }

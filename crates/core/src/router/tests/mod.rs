@@ -10,6 +10,7 @@ use crate::reservations::ReleasePhase;
 mod baselines;
 mod engines;
 mod events;
+mod peers;
 mod policy;
 mod replay;
 mod reservations;

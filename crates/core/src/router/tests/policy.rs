@@ -123,7 +123,7 @@ fn release_returns_reserved_work_and_unknown_reservations_are_not_found() {
         reservation: d.reservation,
         phase: None,
     });
-    assert_eq!(out, Output::Released { found: true });
+    assert_eq!(out, Output::released(true));
     assert_eq!(fleet.reserved("a"), 0, "release gives the work back");
     let again = fleet.apply(Input::Release {
         reservation: d.reservation,
@@ -131,7 +131,7 @@ fn release_returns_reserved_work_and_unknown_reservations_are_not_found() {
     });
     assert_eq!(
         again,
-        Output::Released { found: false },
+        Output::released(false),
         "a second release finds nothing"
     );
 }

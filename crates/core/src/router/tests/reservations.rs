@@ -32,7 +32,7 @@ fn a_reservations_prefill_part_is_the_prompt_the_worker_does_not_hold_and_is_rel
         reservation: d.reservation,
         phase: Some(ReleasePhase::Prefill),
     });
-    assert_eq!(first_token, Output::Released { found: true });
+    assert_eq!(first_token, Output::released(true));
     assert_eq!(
         (fleet.reserved("a"), reserved_prefill(&fleet, "a")),
         (12 + 100, 0),
@@ -42,7 +42,7 @@ fn a_reservations_prefill_part_is_the_prompt_the_worker_does_not_hold_and_is_rel
         reservation: d.reservation,
         phase: None,
     });
-    assert_eq!(done, Output::Released { found: true });
+    assert_eq!(done, Output::released(true));
     assert_eq!(fleet.reserved("a"), 0, "completion gives back the rest");
 }
 
@@ -74,7 +74,7 @@ fn a_reservation_expires_whole_at_its_own_deadline_even_after_a_shorter_ttl_is_c
             reservation: short.reservation,
             phase: None
         }),
-        Output::Released { found: false }
+        Output::released(false)
     );
     fleet.advance(589_999);
     fleet.load("a", 0.1);
