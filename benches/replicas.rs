@@ -227,7 +227,8 @@ async fn failover(cluster: &mut NatsCluster, a: &Daemon) {
             while !stop.load(Ordering::Relaxed) {
                 ticker.tick().await;
                 seq += 1;
-                let tokens = prompt(1_000_000 + seq as u32, 1);
+                // One block of its own per batch.
+                let tokens = vec![seq as u32; 16];
                 let payload: bytes::Bytes = encode_vllm_batch(
                     1.0,
                     &[VllmEvent::BlockStored {

@@ -362,9 +362,10 @@ pub struct ServeArgs {
     pub no_jetstream: bool,
     /// This replica's name among the replicas that share their decisions (1 to 64 characters
     /// from A-Z a-z 0-9 _ -; each replica needs its own, with its own --consumer and
-    /// --data-dir). Its routes and releases are published on <prefix>.decisions.<replica-id>
-    /// and applied by the others [default: the host name up to its first dot (a StatefulSet
-    /// pod's name), other characters replaced by '-'; `default` if there is none]
+    /// --data-dir). Its routes and releases are published on
+    /// <prefix>.decisions.<replica-id>:<incarnation> (8 hex digits naming the data dir, renewed
+    /// after an unclean stop) and applied by the others [default: the host name up to its first
+    /// dot (a StatefulSet pod's name), other characters replaced by '-'; `default` if none]
     #[arg(long, env = "KVROUTED_REPLICA_ID", value_parser = parse_replica_id)]
     pub replica_id: Option<String>,
     /// JetStream replicas of the streams kvrouted creates (events, decisions): 1 on a single
@@ -605,7 +606,10 @@ mod tests {
 
     #[test]
     fn the_default_replica_id_is_the_host_names_first_label() {
-        assert_eq!(replica_id_from_host("kvrouted-1.kvrouted.default.svc\n"), "kvrouted-1");
+        assert_eq!(
+            replica_id_from_host("kvrouted-1.kvrouted.default.svc\n"),
+            "kvrouted-1"
+        );
         assert_eq!(replica_id_from_host("host name"), "host-name");
         assert_eq!(replica_id_from_host(""), "default");
         let long = replica_id_from_host(&"h".repeat(100));

@@ -19,7 +19,8 @@ use futures::StreamExt;
 use metrics::counter;
 use tokio::sync::mpsc::{self, error::TrySendError};
 
-use crate::input::{Input, PeerEvent, RejectReason, Rejection};
+use crate::input::{Input, RejectReason, Rejection};
+use crate::replicas::PeerEvent;
 
 /// Decisions waiting to be published. A burst of routes beyond it while NATS is slow or away
 /// is dropped (counted) rather than held in memory.
@@ -35,13 +36,13 @@ const RETRY_FOR: Duration = Duration::from_secs(30);
 /// Where routes and releases hand their peer events; cheap to clone.
 #[derive(Clone)]
 pub struct DecisionSink {
-    tx: mpsc::Sender<(u64, PeerEvent)>,
+    tx: mpsc::Sender<Box<PeerEvent>>,
 }
 
 impl DecisionSink {
-    /// Queues the peer event of the input journaled as `seq` for publishing, without waiting.
-    pub fn offer(&self, seq: u64, event: PeerEvent) {
-        let reason = match self.tx.try_send((seq, event)) {
+    /// Queues a peer event for publishing, without waiting.
+    pub fn offer(&self, event: Box<PeerEvent>) {
+        let reason = match self.tx.try_send(event) {
             Ok(()) => return,
             Err(TrySendError::Full(_)) => "queue_full",
             Err(TrySendError::Closed(_)) => "stopped",
@@ -59,13 +60,15 @@ pub fn register_metrics() {
     counter!("kvrouted_decisions_publish_retries_total").absolute(0);
 }
 
-/// MessagePack of a peer event, as it travels on `<prefix>.decisions.<replica>`.
+/// MessagePack (with field names) of a peer event, as it travels on
+/// `<prefix>.decisions.<replica>`.
 pub fn encode(event: &PeerEvent) -> Vec<u8> {
-    rmp_serde::to_vec(event).expect("peer events always serialize")
+    rmp_serde::to_vec_named(event).expect("peer events always serialize")
 }
 
 /// Decodes a peer's decision from `<prefix>.decisions.<replica>` into the input that applies it.
-/// A payload that does not decode, or that names another replica than its subject, is rejected.
+/// A payload that does not decode, or that names another replica than its subject (a publisher
+/// speaking for a replica it is not), is rejected.
 pub fn decode(replica: &str, payload: &[u8]) -> Result<Input, Rejection> {
     let event: PeerEvent = rmp_serde::from_slice(payload).map_err(|e| {
         Rejection::new(
@@ -73,12 +76,25 @@ pub fn decode(replica: &str, payload: &[u8]) -> Result<Input, Rejection> {
             format!("decision from replica {replica}: {e}"),
         )
     })?;
-    Ok(Input::Peer(event))
+    if event.replica != replica {
+        return Err(Rejection::new(
+            RejectReason::InvalidField,
+            format!(
+                "a decision on the subject of replica {replica} names replica {}",
+                event.replica
+            ),
+        ));
+    }
+    Ok(Input::Peer(Box::new(event)))
 }
 
 /// Starts the publisher of this replica's decisions on `subject`: through JetStream (acked,
 /// retried, deduplicated by message id), or on core NATS with `--no-jetstream`.
-pub fn spawn_publisher(client: async_nats::Client, subject: String, jetstream: bool) -> DecisionSink {
+pub fn spawn_publisher(
+    client: async_nats::Client,
+    subject: String,
+    jetstream: bool,
+) -> DecisionSink {
     let (tx, rx) = mpsc::channel(QUEUE);
     tokio::spawn(publish(client, subject, jetstream, rx));
     DecisionSink { tx }
@@ -88,24 +104,19 @@ async fn publish(
     client: async_nats::Client,
     subject: String,
     jetstream: bool,
-    mut rx: mpsc::Receiver<(u64, PeerEvent)>,
+    mut rx: mpsc::Receiver<Box<PeerEvent>>,
 ) {
     let js = jetstream::new(client.clone());
-    // Message ids are unique per process start: a data dir started afresh reuses journal
-    // sequences, and the stream's duplicate window must not swallow its first decisions.
-    let boot: u64 = {
-        let mut bytes = [0u8; 8];
-        getrandom::fill(&mut bytes).unwrap_or_default();
-        u64::from_le_bytes(bytes)
-    };
     let mut in_flight = FuturesUnordered::new();
     loop {
         tokio::select! {
             next = rx.recv(), if in_flight.len() < IN_FLIGHT => {
-                let Some((seq, event)) = next else { break };
+                let Some(event) = next else { break };
                 let payload = bytes::Bytes::from(encode(&event));
                 if jetstream {
-                    let id = format!("{boot:016x}-{seq}");
+                    // The replica id names the data dir's incarnation, so (replica, sequence)
+                    // never repeats: the stream stores a retried decision once.
+                    let id = format!("{}-{}", event.replica, event.seq);
                     in_flight.push(publish_acked(js.clone(), subject.clone(), id, payload));
                 } else if client.publish(subject.clone(), payload).await.is_ok() {
                     counter!("kvrouted_decisions_published_total").increment(1);

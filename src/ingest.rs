@@ -10,9 +10,9 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use async_nats::HeaderMap;
 use futures::{FutureExt, StreamExt};
 
+use crate::decisions;
 use crate::input::{Input, RejectReason, Rejection, WorkerId};
 use crate::prom::reject;
-use crate::decisions;
 use crate::status::{Feed, Status};
 use crate::wire;
 use crate::writer::{Ack, AckFuture, Acknowledge, WriterHandle};
@@ -50,7 +50,11 @@ impl IngestSettings {
             Feed::Decisions => (
                 stream::Config {
                     num_replicas: self.stream_replicas,
-                    ..decisions_stream_config(&self.decisions_stream, prefix, self.decisions_max_age)
+                    ..decisions_stream_config(
+                        &self.decisions_stream,
+                        prefix,
+                        self.decisions_max_age,
+                    )
                 },
                 &self.decisions_consumer,
             ),
@@ -352,7 +356,11 @@ async fn run_jetstream(
             let pending = consumer.info().await.map(|i| i.num_pending).unwrap_or(1);
             if pending == 0 && !marker_sent {
                 marker_sent = true;
-                if writer.ack_in_order(caught_up_marker(&status, feed)).await.is_err() {
+                if writer
+                    .ack_in_order(caught_up_marker(&status, feed))
+                    .await
+                    .is_err()
+                {
                     return Ok(());
                 }
             }
@@ -416,27 +424,31 @@ async fn run_jetstream(
                     acker: Box::new(JetStreamAck(acker)),
                     cumulative,
                 };
-                let handed = match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload)
-                {
-                    Ok(Some((input, rejected))) => {
-                        rejected.iter().for_each(|r| reject(r, source));
-                        writer.submit(input, source, Some(ack)).await
-                    }
-                    // This replica's own decision, already applied when it was made.
-                    Ok(None) => writer.ack_in_order(ack).await,
-                    Err(r) => {
-                        reject(&r, source);
-                        // Nothing to journal: acknowledge (after the messages before it) so a bad
-                        // message is not redelivered forever.
-                        writer.ack_in_order(ack).await
-                    }
-                };
+                let handed =
+                    match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
+                        Ok(Some((input, rejected))) => {
+                            rejected.iter().for_each(|r| reject(r, source));
+                            writer.submit(input, source, Some(ack)).await
+                        }
+                        // This replica's own decision, already applied when it was made.
+                        Ok(None) => writer.ack_in_order(ack).await,
+                        Err(r) => {
+                            reject(&r, source);
+                            // Nothing to journal: acknowledge (after the messages before it) so a bad
+                            // message is not redelivered forever.
+                            writer.ack_in_order(ack).await
+                        }
+                    };
                 if handed.is_err() {
                     return Ok(());
                 }
                 if backlog_done && !marker_sent {
                     marker_sent = true;
-                    if writer.ack_in_order(caught_up_marker(&status, feed)).await.is_err() {
+                    if writer
+                        .ack_in_order(caught_up_marker(&status, feed))
+                        .await
+                        .is_err()
+                    {
                         return Ok(());
                     }
                 }
@@ -628,7 +640,9 @@ mod tests {
             other => panic!("expected a load sample, got {other:?}"),
         }
         match decode(&settings(), "kv.load.w", None, &payload) {
-            Ok(Some((Input::Load(sample), _))) => assert_eq!(sample.dp_rank, 0, "no header: rank 0"),
+            Ok(Some((Input::Load(sample), _))) => {
+                assert_eq!(sample.dp_rank, 0, "no header: rank 0")
+            }
             other => panic!("expected a load sample, got {other:?}"),
         }
         let h = headers(&[("Kv-Dp-Rank", "-1")]);

@@ -7,7 +7,8 @@
 //! # Layout
 //!
 //! - Core (re-exported): [`router`] the state machine, [`policy`] the policy step by step,
-//!   [`input`], [`index`], [`workers`], [`reservations`], [`hashing`], [`wire`].
+//!   [`input`], [`index`], [`workers`], [`reservations`], [`replicas`] (what replicas tell each
+//!   other), [`hashing`], [`wire`].
 //! - [`daemon`]: `kvrouted serve` — recovery, then starts the writer, the flusher, ingest and
 //!   the HTTP API.
 //! - [`writer`]: the single writer that journals and applies inputs in one order; acks after
@@ -28,7 +29,9 @@
 //! - [`config`]: command-line and file configuration.
 //! - [`nats_options`]: NATS url, credentials and TLS, shared by every command that connects.
 
-pub use kvrouted_core::{hashing, index, input, policy, reservations, router, wire, workers};
+pub use kvrouted_core::{
+    hashing, index, input, policy, replicas, reservations, router, wire, workers,
+};
 
 pub mod bridge;
 pub mod config;

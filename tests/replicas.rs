@@ -48,7 +48,10 @@ fn decided(body: &Value) -> (&str, &str) {
 /// Routes `tokens` on `daemon`, expecting an answer; returns the reply.
 async fn route(daemon: &Daemon, tokens: &[u32]) -> Value {
     let (status, body) = daemon.route(tokens, json!({})).await;
-    assert_eq!(status, 200, "a replica answers a route with candidates: {body}");
+    assert_eq!(
+        status, 200,
+        "a replica answers a route with candidates: {body}"
+    );
     body
 }
 
@@ -177,7 +180,9 @@ struct BurstPublisher {
 
 impl BurstPublisher {
     async fn connect(url: &str, id: &str) -> BurstPublisher {
-        let client = async_nats::connect(url).await.expect("connect to the cluster");
+        let client = async_nats::connect(url)
+            .await
+            .expect("connect to the cluster");
         BurstPublisher {
             id: id.to_string(),
             js: async_nats::jetstream::new(client),
@@ -244,9 +249,9 @@ async fn losing_a_server_mid_burst_and_a_replica_loses_nothing_and_the_restarted
     for i in 0..BURST {
         if i == BURST / 3 {
             cluster.stop(0);
-            route(&b, &prompt(10_000, BURST_BLOCKS)).await;
+            route(&b, &prompt(1_000, BURST_BLOCKS)).await;
         }
-        let tokens = prompt(10_000 + i, BURST_BLOCKS);
+        let tokens = prompt(1_000 + i, BURST_BLOCKS);
         publisher.store(&tokens).await;
         if i % 10 == 0 {
             let (status, body) = a.route(&tokens, json!({})).await;
@@ -265,7 +270,7 @@ async fn losing_a_server_mid_burst_and_a_replica_loses_nothing_and_the_restarted
 
     // Replica c goes away; the others keep answering and keep deciding.
     c.kill9();
-    let later = prompt(20_000, 4);
+    let later = prompt(2_000, 4);
     publisher.store(&later).await;
     for replica in [&a, &b] {
         replica.wait_blocks("w", burst_blocks + 4).await;

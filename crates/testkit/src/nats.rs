@@ -140,15 +140,28 @@ impl NatsCluster {
         cluster
     }
 
-    /// Waits until server `i` answers JetStream requests (after a start or a restart, once it
-    /// has rejoined the cluster's meta group).
+    /// Waits until server `i` can place a stream with 3 replicas (after a start or a restart,
+    /// once it has rejoined the cluster's meta group): it creates and deletes a probe stream.
     pub async fn wait_jetstream(&self, i: usize) {
         let client = async_nats::connect(self.url(i)).await.expect("connect");
         let js = async_nats::jetstream::new(client);
-        eventually(&format!("JetStream answers on cluster server {i}"), || {
-            let js = js.clone();
-            async move { js.query_account().await.ok().map(|_| ()) }
-        })
+        let probe = format!("TESTKIT_PROBE_{i}");
+        eventually(
+            &format!("cluster server {i} places a stream with 3 replicas"),
+            || {
+                let (js, probe) = (js.clone(), probe.clone());
+                async move {
+                    let config = async_nats::jetstream::stream::Config {
+                        name: probe.clone(),
+                        subjects: vec![format!("testkit.probe.{i}")],
+                        num_replicas: CLUSTER_SIZE,
+                        ..Default::default()
+                    };
+                    js.get_or_create_stream(config).await.ok()?;
+                    js.delete_stream(&probe).await.ok().map(|_| ())
+                }
+            },
+        )
         .await;
     }
 
