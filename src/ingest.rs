@@ -223,15 +223,21 @@ pub fn stream_config(name: &str, prefix: &str) -> stream::Config {
     }
 }
 
+/// Bytes the decisions stream keeps at most (the oldest go first): a route's decision carries
+/// its prompt's block keys, so a busy fleet's decisions can outgrow the max age's worth of disk.
+pub const DECISIONS_MAX_BYTES: i64 = 1 << 30;
+
 /// The JetStream stream of every replica's decisions (`<prefix>.decisions.<replica>`). Short
 /// lived on purpose: a decision matters for the spill cooldown, the routing records' TTL and a
 /// reservation's TTL; a replica away for longer rebuilds ownership from the KV events alone.
+/// Bounded by [`DECISIONS_MAX_BYTES`] too.
 pub fn decisions_stream_config(name: &str, prefix: &str, max_age: Duration) -> stream::Config {
     stream::Config {
         name: name.to_string(),
         subjects: vec![format!("{prefix}.decisions.>")],
         storage: stream::StorageType::File,
         max_age,
+        max_bytes: DECISIONS_MAX_BYTES,
         ..Default::default()
     }
 }

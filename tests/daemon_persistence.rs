@@ -376,7 +376,7 @@ struct Told {
     request_id: Option<String>,
     worker: Option<String>,
     decision: String,
-    seq: Option<u64>,
+    reservation: Option<u64>,
 }
 
 struct Gateway<'a> {
@@ -397,13 +397,13 @@ impl Gateway<'_> {
                 request_id: Some(id),
                 worker: reply["worker"].as_str().map(str::to_owned),
                 decision: reply["decision"].as_str().unwrap().to_owned(),
-                seq: reply["reservation"].as_u64(),
+                reservation: reply["reservation"].as_u64(),
             },
             503 => Told {
                 request_id: None,
                 worker: None,
                 decision: "no_candidate".into(),
-                seq: None,
+                reservation: None,
             },
             other => panic!("unexpected status {other}: {reply}"),
         };
@@ -473,7 +473,10 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
     );
     for told in gw.told.clone().iter().step_by(5) {
         let (status, _) = daemon
-            .post("/v1/release", &json!({"reservation": told.seq.unwrap()}))
+            .post(
+                "/v1/release",
+                &json!({"reservation": told.reservation.unwrap()}),
+            )
             .await;
         assert_eq!(status, 200);
     }
@@ -542,10 +545,14 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
                     (
                         d["worker"].as_str(),
                         d["decision"].as_str(),
-                        d["seq"].as_u64()
+                        d["reservation"].as_u64()
                     ),
-                    (t.worker.as_deref(), Some(t.decision.as_str()), t.seq),
-                    "request {id} replays to what the gateway was told"
+                    (
+                        t.worker.as_deref(),
+                        Some(t.decision.as_str()),
+                        t.reservation
+                    ),
+                    "request {id} replays to what the gateway was told, reservation id included"
                 );
             }
             None => assert_eq!(
@@ -614,9 +621,13 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
     );
     let (seq, detail) = first_divergence(&stdout)
         .unwrap_or_else(|| panic!("--verify names the first divergent decision: {stdout}"));
+    let spill_seq = spill
+        .request_id
+        .as_deref()
+        .and_then(|id| by_request[id]["seq"].as_u64());
     assert_eq!(
         Some(seq),
-        spill.seq,
+        spill_seq,
         "the first divergence is the first spill"
     );
     assert!(
