@@ -408,3 +408,89 @@ fn a_sweep_of_a_flag_that_cannot_be_swept_or_a_bad_value_is_an_error() {
     let err = sim::run_to(&bad, &mut out).expect_err("2 is not a fraction");
     assert!(err.to_string().contains("min-match-ratio"), "{err}");
 }
+
+/// Summed over seeds 0..4 of the shared-prefix workload on a small fleet (the herding case:
+/// many requests behind a few common prefixes at once): (prefix-hit ratio averaged, duplicate
+/// copies summed), for `replicas` routers whose decisions reach each other after `delay_ms`
+/// (none: not shared).
+fn shared_prefix_over_seeds(replicas: usize, delay_ms: Option<u64>) -> (f64, u64) {
+    let params = generate::SharedPrefixParams {
+        requests: 300,
+        ..Default::default()
+    };
+    let mut hit = 0.0;
+    let mut dups = 0;
+    for seed in 0..4 {
+        let trace = generate::shared_prefix(&params, 512, seed).unwrap();
+        let config = SimConfig {
+            replicas,
+            decision_delay_ms: delay_ms,
+            seed,
+            ..tight_fleet()
+        };
+        let r = simulate_one(&trace, &config, PolicyKind::PressureFirst);
+        assert_eq!(r.completed, r.requests, "every request finishes");
+        assert!(r.index_in_sync, "every replica's index equals the caches");
+        assert_eq!(
+            r.reserved_work_at_end, 0,
+            "every release reaches every replica: no reserved work is left behind"
+        );
+        hit += r.prefix_hit_ratio / 4.0;
+        dups += r.duplicate_copies;
+    }
+    (hit, dups)
+}
+
+#[test]
+fn three_replicas_sharing_decisions_at_once_route_like_one_router_within_tolerance() {
+    // Not exactly: each replica draws its power-of-two choices from its own journal
+    // sequence, so single decisions differ; over the workload the outcome must not.
+    let (one_hit, one_dups) = shared_prefix_over_seeds(1, None);
+    let (three_hit, three_dups) = shared_prefix_over_seeds(3, Some(0));
+    assert!(
+        (three_hit - one_hit).abs() <= 0.01,
+        "3 replicas sharing at once keep one router's hit ratio within 0.01: {three_hit:.3} \
+         against {one_hit:.3}"
+    );
+    assert!(
+        three_dups as f64 <= 1.2 * one_dups as f64,
+        "3 replicas sharing at once make at most 1.2x one router's duplicate copies: \
+         {three_dups} against {one_dups}"
+    );
+}
+
+#[test]
+fn sharing_decisions_between_replicas_reduces_duplicate_copies_against_deciding_alone() {
+    let (shared_hit, shared_dups) = shared_prefix_over_seeds(3, Some(5));
+    let (alone_hit, alone_dups) = shared_prefix_over_seeds(3, None);
+    assert!(
+        shared_dups < alone_dups,
+        "replicas that share decisions (5ms) copy prefixes less than replicas deciding alone: \
+         {shared_dups} against {alone_dups}"
+    );
+    assert!(
+        shared_hit >= alone_hit,
+        "and reuse at least as much: {shared_hit:.3} against {alone_hit:.3}"
+    );
+}
+
+#[test]
+fn replicas_and_decision_delay_are_flags_and_can_be_swept() {
+    let config = args("--generate agentic --replicas 3 --decision-delay off").sim_config();
+    assert_eq!((config.replicas, config.decision_delay_ms), (3, None));
+    let config = args("--generate agentic --replicas 3 --decision-delay 50ms").sim_config();
+    assert_eq!((config.replicas, config.decision_delay_ms), (3, Some(50)));
+    let swept = args("--generate agentic")
+        .with_flag("decision-delay", "0ms")
+        .expect("decision-delay can be swept");
+    assert_eq!(swept.sim_config().decision_delay_ms, Some(0));
+    assert!(
+        SimConfig {
+            replicas: 0,
+            ..SimConfig::default()
+        }
+        .validate()
+        .is_err(),
+        "zero replicas is refused"
+    );
+}

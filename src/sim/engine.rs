@@ -15,14 +15,16 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
+use super::replicas::Routers;
 use super::timeline::Timeline;
 use super::trace::{ratio, Trace};
 use super::worker::{Need, SimWorker};
 use crate::input::{
     Input, KvEvent, KvEventBatch, Lifecycle, LifecycleOp, LoadSample, Medium, RouteRequest,
-    Stamped, WorkerId,
+    WorkerId,
 };
 use crate::policy::{DecisionLabel, PolicyKind};
+use crate::replicas::PeerEvent;
 use crate::reservations::ReleasePhase;
 use crate::router::{Output, Router, RouterConfig};
 
@@ -54,6 +56,11 @@ pub struct SimConfig {
     /// Seeds the load-sample phases and the journal sequence the router draws its random
     /// choices from.
     pub seed: u64,
+    /// Routers behind a round-robin gateway (1: one router).
+    pub replicas: usize,
+    /// Delay of a replica's decisions and releases to the other replicas; none: replicas do
+    /// not share them (each decides on its own records only).
+    pub decision_delay_ms: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -69,6 +76,8 @@ impl Default for SimConfig {
             tick_interval_ms: 1000,
             router: RouterConfig::default(),
             seed: 0,
+            replicas: 1,
+            decision_delay_ms: Some(5),
         }
     }
 }
@@ -93,6 +102,10 @@ impl SimConfig {
         }
         anyhow::ensure!(self.load_interval_ms >= 1, "load interval must be positive");
         anyhow::ensure!(self.tick_interval_ms >= 1, "tick interval must be positive");
+        anyhow::ensure!(
+            (1..=64).contains(&self.replicas),
+            "replicas must be between 1 and 64"
+        );
         anyhow::ensure!(
             self.load_interval_ms < self.router.worker_ttl_ms,
             "load interval must be shorter than the worker TTL, or workers age out"
@@ -159,6 +172,8 @@ enum Ev {
     FirstToken(usize),
     Finish(usize),
     Deliver(Input),
+    /// A replica's decision or release reaches another replica.
+    Peer(usize, Box<PeerEvent>),
     Load(usize),
     Tick,
 }
@@ -174,6 +189,8 @@ struct ReqState {
     arrival_us: u64,
     worker: usize,
     reservation: u64,
+    /// The replica that routed it: the gateway releases there.
+    replica: usize,
     routed: bool,
     finished: bool,
     /// Blocks the worker caches for it, and its private blocks.
@@ -185,17 +202,31 @@ struct ReqState {
 /// Progress callback: (policy, completed requests, total requests).
 pub type Progress<'a> = &'a (dyn Fn(PolicyKind, u64, u64) + Sync);
 
+/// The simulation: the workload, the routers, the clock, the simulated fleet and what is
+/// measured, each its own part.
 struct Sim<'a> {
     trace: &'a Trace,
     keys: &'a [Vec<u64>],
     cfg: &'a SimConfig,
     policy: PolicyKind,
-    router: Router,
-    seq: u64,
+    routers: Routers,
+    clock: Clock,
+    fleet: Fleet,
+    stats: Stats,
+    progress: Option<Progress<'a>>,
+}
+
+/// Simulated time and what is scheduled.
+#[derive(Default)]
+struct Clock {
     now_us: u64,
     timeline: Timeline<Ev>,
     /// Arrivals, completions and deliveries still in the heap.
     pending: u64,
+}
+
+/// The simulated workers and the requests they serve.
+struct Fleet {
     workers: Vec<SimWorker>,
     worker_of: FxHashMap<WorkerId, usize>,
     /// Block key → how many workers hold it.
@@ -203,6 +234,11 @@ struct Sim<'a> {
     reqs: Vec<ReqState>,
     /// Request → the follow-up it releases.
     follow_up: Vec<Option<usize>>,
+}
+
+/// What is counted along the way.
+#[derive(Default)]
+struct Stats {
     completed: u64,
     cached_tokens: u64,
     duplicate_copies: u64,
@@ -213,7 +249,6 @@ struct Sim<'a> {
     first_token_releases: u64,
     first_arrival_us: Option<u64>,
     last_finish_us: u64,
-    progress: Option<Progress<'a>>,
     next_progress: u64,
 }
 
@@ -266,28 +301,26 @@ pub fn simulate(
         keys,
         cfg: config,
         policy,
-        router: Router::new(router_config),
-        seq,
-        now_us: 0,
-        timeline: Timeline::default(),
-        pending: 0,
-        workers,
-        worker_of,
-        residency: FxHashMap::default(),
-        reqs: vec![ReqState::default(); trace.requests.len()],
-        follow_up,
-        completed: 0,
-        cached_tokens: 0,
-        duplicate_copies: 0,
-        rejections: 0,
-        decisions: [0; DecisionLabel::ALL.len()],
-        follow_ups: 0,
-        follow_up_moves: 0,
-        first_token_releases: 0,
-        first_arrival_us: None,
-        last_finish_us: 0,
+        routers: Routers::new(
+            router_config,
+            config.replicas,
+            config.decision_delay_ms,
+            seq,
+            config.seed,
+        ),
+        clock: Clock::default(),
+        fleet: Fleet {
+            workers,
+            worker_of,
+            residency: FxHashMap::default(),
+            reqs: vec![ReqState::default(); trace.requests.len()],
+            follow_up,
+        },
+        stats: Stats {
+            next_progress: 1,
+            ..Stats::default()
+        },
         progress,
-        next_progress: 1,
     };
     sim.start(&mut rng);
     sim.run()?;
@@ -295,31 +328,41 @@ pub fn simulate(
 }
 
 impl Sim<'_> {
-    fn apply(&mut self, input: Input) -> Output {
-        self.seq += 1;
-        let out = self.router.apply(&Stamped {
-            seq: self.seq,
-            at_ms: EPOCH_MS + self.now_us / 1000,
-            input,
-        });
-        if let Output::Ingested(report) = &out {
-            self.rejections +=
-                report.rejections.len() as u64 + report.duplicate as u64 + report.seq_gap;
+    fn at_ms(&self) -> u64 {
+        EPOCH_MS + self.clock.now_us / 1000
+    }
+
+    /// Applies an input every router consumes (worker events, load samples, lifecycle, ticks).
+    fn apply(&mut self, input: Input) {
+        for out in self.routers.apply_all(self.at_ms(), &input) {
+            if let Output::Ingested(report) = &out {
+                self.stats.rejections +=
+                    report.rejections.len() as u64 + report.duplicate as u64 + report.seq_gap;
+            }
+        }
+    }
+
+    /// Applies a gateway's input (a route or a release) on one replica, and sends what it
+    /// decided or released on to the others.
+    fn apply_on(&mut self, replica: usize, input: Input) -> Output {
+        let out = self.routers.apply(replica, self.at_ms(), input);
+        for (at_us, to, event) in self.routers.deliveries(replica, self.clock.now_us, &out) {
+            self.schedule(at_us, Ev::Peer(to, event));
         }
         out
     }
 
     fn schedule(&mut self, at_us: u64, ev: Ev) {
         if !ev.periodic() {
-            self.pending += 1;
+            self.clock.pending += 1;
         }
-        self.timeline.schedule(at_us, ev);
+        self.clock.timeline.schedule(at_us, ev);
     }
 
     fn start(&mut self, rng: &mut ChaCha8Rng) {
-        for w in 0..self.workers.len() {
+        for w in 0..self.fleet.workers.len() {
             self.apply(Input::Lifecycle(Lifecycle {
-                worker: self.workers[w].id.clone(),
+                worker: self.fleet.workers[w].id.clone(),
                 op: LifecycleOp::Join,
                 model: None,
                 block_size: Some(self.trace.block_tokens),
@@ -329,7 +372,7 @@ impl Sim<'_> {
             }));
             self.send_load(w);
         }
-        for w in 0..self.workers.len() {
+        for w in 0..self.fleet.workers.len() {
             // Workers sample load on their own clocks: a seeded phase per worker.
             let phase_ms = rng.random_range(0..self.cfg.load_interval_ms);
             self.schedule((phase_ms + 1) * 1000, Ev::Load(w));
@@ -344,22 +387,27 @@ impl Sim<'_> {
 
     fn run(&mut self) -> anyhow::Result<()> {
         let total = self.trace.requests.len() as u64;
-        while let Some((at_us, ev)) = self.timeline.pop() {
-            debug_assert!(at_us >= self.now_us, "time never runs backwards");
-            self.now_us = at_us;
+        while let Some((at_us, ev)) = self.clock.timeline.pop() {
+            debug_assert!(at_us >= self.clock.now_us, "time never runs backwards");
+            self.clock.now_us = at_us;
             if !ev.periodic() {
-                self.pending -= 1;
+                self.clock.pending -= 1;
             }
             match ev {
                 Ev::Arrive(r) => self.arrive(r)?,
                 Ev::FirstToken(r) => {
-                    let reservation = self.reqs[r].reservation;
-                    let out = self.apply(Input::Release {
+                    let ReqState {
+                        reservation,
+                        replica,
+                        ..
+                    } = self.fleet.reqs[r];
+                    let release = Input::Release {
                         reservation,
                         phase: Some(ReleasePhase::Prefill),
-                    });
+                    };
+                    let out = self.apply_on(replica, release);
                     if matches!(out, Output::Released { found: true, .. }) {
-                        self.first_token_releases += 1;
+                        self.stats.first_token_releases += 1;
                     }
                 }
                 Ev::Finish(r) => self.finish(r),
@@ -367,35 +415,39 @@ impl Sim<'_> {
                     // The publisher numbers batches as it sends them; with one delay for all
                     // batches, sending order is delivery order.
                     if let Input::KvEvents(batch) = &mut input {
-                        let w = self.worker_of[&batch.worker];
-                        self.workers[w].kv_seq += 1;
-                        batch.seq = Some(self.workers[w].kv_seq);
+                        let w = self.fleet.worker_of[&batch.worker];
+                        self.fleet.workers[w].kv_seq += 1;
+                        batch.seq = Some(self.fleet.workers[w].kv_seq);
                     }
                     self.apply(input);
                 }
+                Ev::Peer(to, event) => {
+                    let at_ms = self.at_ms();
+                    self.routers.apply(to, at_ms, Input::Peer(event));
+                }
                 Ev::Load(w) => {
                     self.send_load(w);
-                    if self.completed < total {
+                    if self.stats.completed < total {
                         self.stuck_check()?;
-                        let next = self.now_us + self.cfg.load_interval_ms * 1000;
+                        let next = self.clock.now_us + self.cfg.load_interval_ms * 1000;
                         self.schedule(next, Ev::Load(w));
                     }
                 }
                 Ev::Tick => {
                     self.apply(Input::Tick);
-                    if self.completed < total {
+                    if self.stats.completed < total {
                         self.stuck_check()?;
-                        let next = self.now_us + self.cfg.tick_interval_ms * 1000;
+                        let next = self.clock.now_us + self.cfg.tick_interval_ms * 1000;
                         self.schedule(next, Ev::Tick);
                     }
                 }
             }
         }
-        if self.completed != total {
+        if self.stats.completed != total {
             bail!(
                 "{}: {} of {} requests completed",
                 self.policy,
-                self.completed,
+                self.stats.completed,
                 total
             );
         }
@@ -404,11 +456,11 @@ impl Sim<'_> {
 
     /// With nothing left to happen but periodic events, unfinished requests would never finish.
     fn stuck_check(&self) -> anyhow::Result<()> {
-        if self.pending == 0 && self.workers.iter().all(|w| w.running == 0) {
+        if self.clock.pending == 0 && self.fleet.workers.iter().all(|w| w.running == 0) {
             bail!(
                 "{}: simulation stalled with {} of {} requests completed",
                 self.policy,
-                self.completed,
+                self.stats.completed,
                 self.trace.requests.len()
             );
         }
@@ -416,7 +468,7 @@ impl Sim<'_> {
     }
 
     fn send_load(&mut self, w: usize) {
-        let worker = &self.workers[w];
+        let worker = &self.fleet.workers[w];
         let sample = LoadSample {
             worker: worker.id.clone(),
             kv_usage: worker.kv_usage(),
@@ -442,7 +494,8 @@ impl Sim<'_> {
             request_id: None,
             explain: false,
         };
-        let decision = match self.apply(Input::Route(route)) {
+        let replica = self.routers.next_for_route();
+        let decision = match self.apply_on(replica, Input::Route(route)) {
             Output::Routed(d) => d,
             other => {
                 return Err(anyhow!(
@@ -452,6 +505,7 @@ impl Sim<'_> {
             }
         };
         let w = *self
+            .fleet
             .worker_of
             .get(&decision.worker)
             .ok_or_else(|| anyhow!("router chose unknown worker {}", decision.worker))?;
@@ -459,14 +513,14 @@ impl Sim<'_> {
             .iter()
             .position(|l| *l == decision.decision)
             .expect("every label is in ALL");
-        self.decisions[label] += 1;
+        self.stats.decisions[label] += 1;
         if let Some(f) = req.follows {
-            self.follow_ups += 1;
-            if self.reqs[f.previous].worker != w {
-                self.follow_up_moves += 1;
+            self.stats.follow_ups += 1;
+            if self.fleet.reqs[f.previous].worker != w {
+                self.stats.follow_up_moves += 1;
             }
         }
-        self.first_arrival_us.get_or_insert(self.now_us);
+        self.stats.first_arrival_us.get_or_insert(self.clock.now_us);
 
         // What the worker will cache: the keyed blocks, clamped so that one request alone
         // always fits in an empty cache; the rest of its tokens are private blocks.
@@ -475,65 +529,67 @@ impl Sim<'_> {
         let stored = (self.keys[r].len() as u64).min(cap);
         let total_blocks = (req.input_tokens + req.output_tokens).div_ceil(bt);
         let private = total_blocks.saturating_sub(stored).min(cap - stored);
-        let state = &mut self.reqs[r];
+        let state = &mut self.fleet.reqs[r];
         assert!(!state.routed, "request {r} arrived twice");
         *state = ReqState {
-            arrival_us: self.now_us,
+            arrival_us: self.clock.now_us,
             worker: w,
             reservation: decision.reservation,
+            replica,
             routed: true,
             finished: false,
             stored: stored as usize,
             private,
             ttft_us: 0,
         };
-        self.workers[w].waiting.push_back(r);
+        self.fleet.workers[w].waiting.push_back(r);
         self.admit_waiting(w);
         Ok(())
     }
 
     /// Admits waiting requests in order while the head fits (head-of-line blocking, FCFS).
     fn admit_waiting(&mut self, w: usize) {
-        while let Some(&r) = self.workers[w].waiting.front() {
-            let state = &self.reqs[r];
+        while let Some(&r) = self.fleet.workers[w].waiting.front() {
+            let state = &self.fleet.reqs[r];
             let stored = state.stored;
             let need = Need {
                 keys: &self.keys[r][..stored],
                 locals: &self.trace.requests[r].hash_ids[..stored],
                 private: state.private,
             };
-            let Some(admission) = self.workers[w].admit(need) else {
+            let Some(admission) = self.fleet.workers[w].admit(need) else {
                 return;
             };
-            self.workers[w].waiting.pop_front();
+            self.fleet.workers[w].waiting.pop_front();
             let req = &self.trace.requests[r];
             let bt = self.trace.block_tokens as u64;
             let cached_tokens = admission.cached as u64 * bt;
-            self.cached_tokens += cached_tokens;
+            self.stats.cached_tokens += cached_tokens;
             let uncached = req.input_tokens.saturating_sub(cached_tokens).max(1);
-            let worker = &mut self.workers[w];
-            let prefill_start = self.now_us.max(worker.prefill_free_us);
+            let worker = &mut self.fleet.workers[w];
+            let prefill_start = self.clock.now_us.max(worker.prefill_free_us);
             let prefill_end =
                 prefill_start + secs_to_us(uncached as f64 * self.cfg.prefill_s_per_token);
             worker.prefill_free_us = prefill_end;
             let finish =
                 prefill_end + secs_to_us(req.output_tokens as f64 * self.cfg.decode_s_per_token);
-            self.reqs[r].ttft_us = prefill_end - self.reqs[r].arrival_us;
+            self.fleet.reqs[r].ttft_us = prefill_end - self.fleet.reqs[r].arrival_us;
 
             for key in &admission.evicted_keys {
                 let n = self
+                    .fleet
                     .residency
                     .get_mut(key)
                     .expect("evicted block was resident");
                 *n -= 1;
                 if *n == 0 {
-                    self.residency.remove(key);
+                    self.fleet.residency.remove(key);
                 }
             }
             for key in &admission.stored_keys {
-                let n = self.residency.entry(*key).or_insert(0);
+                let n = self.fleet.residency.entry(*key).or_insert(0);
                 if *n > 0 {
-                    self.duplicate_copies += 1;
+                    self.stats.duplicate_copies += 1;
                 }
                 *n += 1;
             }
@@ -551,7 +607,7 @@ impl Sim<'_> {
                         medium: Medium::Gpu,
                     },
                 );
-                self.schedule(self.now_us + delay, Ev::Deliver(batch));
+                self.schedule(self.clock.now_us + delay, Ev::Deliver(batch));
             }
             if !admission.stored.is_empty() {
                 // Blocks are announced once computed, at the end of prefill.
@@ -575,31 +631,42 @@ impl Sim<'_> {
 
     /// A batch of one event; its `Kv-Seq` is set when it is delivered.
     fn kv_batch(&self, w: usize, event: KvEvent) -> Input {
-        Input::KvEvents(KvEventBatch::of(self.workers[w].id.clone(), vec![event]))
+        Input::KvEvents(KvEventBatch::of(
+            self.fleet.workers[w].id.clone(),
+            vec![event],
+        ))
     }
 
     fn finish(&mut self, r: usize) {
-        let state = &mut self.reqs[r];
+        let state = &mut self.fleet.reqs[r];
         assert!(
             state.routed && !state.finished,
             "request {r} finished twice"
         );
         state.finished = true;
-        let (w, stored, private, reservation) =
-            (state.worker, state.stored, state.private, state.reservation);
-        self.workers[w].release(&self.keys[r][..stored], private);
-        self.apply(Input::Release {
-            reservation,
-            phase: None,
-        });
-        self.completed += 1;
-        self.last_finish_us = self.now_us;
-        if let Some(next) = self.follow_up[r] {
+        let (w, stored, private, reservation, replica) = (
+            state.worker,
+            state.stored,
+            state.private,
+            state.reservation,
+            state.replica,
+        );
+        self.fleet.workers[w].release(&self.keys[r][..stored], private);
+        self.apply_on(
+            replica,
+            Input::Release {
+                reservation,
+                phase: None,
+            },
+        );
+        self.stats.completed += 1;
+        self.stats.last_finish_us = self.clock.now_us;
+        if let Some(next) = self.fleet.follow_up[r] {
             let think = self.trace.requests[next]
                 .follows
                 .expect("a follow-up has a previous request")
                 .think_us;
-            self.schedule(self.now_us + think, Ev::Arrive(next));
+            self.schedule(self.clock.now_us + think, Ev::Arrive(next));
         }
         self.admit_waiting(w);
         self.report_progress();
@@ -610,31 +677,41 @@ impl Sim<'_> {
             return;
         };
         let total = self.trace.requests.len() as u64;
-        if self.completed * 10 >= self.next_progress * total {
-            progress(self.policy, self.completed, total);
-            self.next_progress = self.completed * 10 / total.max(1) + 1;
+        if self.stats.completed * 10 >= self.stats.next_progress * total {
+            progress(self.policy, self.stats.completed, total);
+            self.stats.next_progress = self.stats.completed * 10 / total.max(1) + 1;
         }
     }
 
-    /// The router's authoritative index holds exactly the blocks resident on the workers.
+    /// Every router's authoritative index holds exactly the blocks resident on the workers.
     fn index_in_sync(&self) -> bool {
+        (0..self.routers.len()).all(|r| self.router_in_sync(self.routers.router(r)))
+    }
+
+    fn router_in_sync(&self, router: &Router) -> bool {
         let resident: u64 = self
+            .fleet
             .workers
             .iter()
             .map(|w| w.resident_keys().len() as u64)
             .sum();
-        resident == self.router.index_stats().entries
-            && self.workers.iter().all(|w| {
+        resident == router.index_stats().entries
+            && self.fleet.workers.iter().all(|w| {
                 w.resident_keys()
                     .into_iter()
-                    .all(|key| self.router.owns(&w.id, None, None, key))
+                    .all(|key| router.owns(&w.id, None, None, key))
             })
     }
 
     fn report(&self) -> PolicyReport {
-        let mut ttft: Vec<f64> = self.reqs.iter().map(|r| r.ttft_us as f64 / 1e6).collect();
+        let mut ttft: Vec<f64> = self
+            .fleet
+            .reqs
+            .iter()
+            .map(|r| r.ttft_us as f64 / 1e6)
+            .collect();
         ttft.sort_by(f64::total_cmp);
-        let served: Vec<u64> = self.workers.iter().map(|w| w.served).collect();
+        let served: Vec<u64> = self.fleet.workers.iter().map(|w| w.served).collect();
         let mean = served.iter().sum::<u64>() as f64 / served.len() as f64;
         let var = served
             .iter()
@@ -642,49 +719,47 @@ impl Sim<'_> {
             .sum::<f64>()
             / served.len() as f64;
         let max = served.iter().copied().max().unwrap_or(0) as f64;
-        let makespan_s = self.first_arrival_us.map_or(0.0, |first| {
-            self.last_finish_us.saturating_sub(first) as f64 / 1e6
+        let makespan_s = self.stats.first_arrival_us.map_or(0.0, |first| {
+            self.stats.last_finish_us.saturating_sub(first) as f64 / 1e6
         });
         let prompt_tokens = self.trace.prompt_tokens();
         PolicyReport {
             policy: self.policy,
             requests: self.trace.requests.len() as u64,
-            completed: self.completed,
+            completed: self.stats.completed,
             prompt_tokens,
-            cached_tokens: self.cached_tokens,
-            prefix_hit_ratio: ratio(self.cached_tokens, prompt_tokens),
+            cached_tokens: self.stats.cached_tokens,
+            prefix_hit_ratio: ratio(self.stats.cached_tokens, prompt_tokens),
             ideal_hit_ratio: self.trace.ideal_hit_ratio(),
-            duplicate_copies: self.duplicate_copies,
-            evictions: self.workers.iter().map(|w| w.evictions).sum(),
+            duplicate_copies: self.stats.duplicate_copies,
+            evictions: self.fleet.workers.iter().map(|w| w.evictions).sum(),
             ttft_p50_s: percentile(&ttft, 0.50),
             ttft_p90_s: percentile(&ttft, 0.90),
             ttft_p99_s: percentile(&ttft, 0.99),
             ttft_s: ttft,
             throughput_rps: if makespan_s > 0.0 {
-                self.completed as f64 / makespan_s
+                self.stats.completed as f64 / makespan_s
             } else {
                 0.0
             },
             makespan_s,
-            follow_ups: self.follow_ups,
-            follow_up_moves: self.follow_up_moves,
+            follow_ups: self.stats.follow_ups,
+            follow_up_moves: self.stats.follow_up_moves,
             decisions: DecisionLabel::ALL
                 .iter()
-                .zip(self.decisions)
+                .zip(self.stats.decisions)
                 .map(|(l, n)| (l.as_str().to_string(), n))
                 .collect(),
             load_spread: if mean > 0.0 { var.sqrt() / mean } else { 0.0 },
             load_max_over_mean: if mean > 0.0 { max / mean } else { 0.0 },
             served_per_worker: served,
             capacity_blocks: self.cfg.capacity_blocks,
-            peak_blocks: self.workers.iter().map(|w| w.peak_used).collect(),
-            router_rejections: self.rejections,
+            peak_blocks: self.fleet.workers.iter().map(|w| w.peak_used).collect(),
+            router_rejections: self.stats.rejections,
             index_in_sync: self.index_in_sync(),
-            first_token_releases: self.first_token_releases,
-            reserved_work_at_end: self
-                .router
-                .worker_rows(EPOCH_MS + self.now_us / 1000)
-                .iter()
+            first_token_releases: self.stats.first_token_releases,
+            reserved_work_at_end: (0..self.routers.len())
+                .flat_map(|r| self.routers.router(r).worker_rows(self.at_ms()))
                 .map(|w| w.reserved_work)
                 .sum(),
         }

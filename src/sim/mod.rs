@@ -6,6 +6,7 @@
 //! - [`generate`]: the agentic-trajectory and shared-system-prompt generators;
 //! - [`worker`]: one simulated worker (KV cache with LRU eviction, batch limit, prefill engine);
 //! - [`engine`]: the discrete-event loop around [`crate::router::Router::apply`];
+//! - `replicas`: one router, or replicas behind a round-robin gateway sharing decisions;
 //! - [`report`] and [`plot`]: table, JSON and SVG output.
 //!
 //! The CLI entry point is [`run`] with [`SimulateArgs`].
@@ -13,6 +14,7 @@
 pub mod engine;
 pub mod generate;
 pub mod plot;
+pub(crate) mod replicas;
 pub mod report;
 pub(crate) mod timeline;
 pub mod trace;
@@ -52,7 +54,7 @@ pub struct Sweep {
 }
 
 /// Flags `--sweep` can vary: router settings and the fleet and load around them.
-pub const SWEEPABLE: [&str; 17] = [
+pub const SWEEPABLE: [&str; 19] = [
     "min-match-blocks",
     "min-match-ratio",
     "ceiling-overflow-pressure",
@@ -70,6 +72,8 @@ pub const SWEEPABLE: [&str; 17] = [
     "request-rate",
     "prefix-skew",
     "seed",
+    "replicas",
+    "decision-delay",
 ];
 
 fn parse_sweep(s: &str) -> Result<Sweep, String> {
@@ -92,6 +96,18 @@ fn parse_sweep(s: &str) -> Result<Sweep, String> {
         return Err(format!("--sweep {flag}= names no value"));
     }
     Ok(Sweep { flag, values })
+}
+
+/// `--decision-delay`: how long a replica's decisions take to reach the others, or `off` (the
+/// replicas do not share them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecisionDelay(pub Option<Duration>);
+
+fn parse_decision_delay(s: &str) -> Result<DecisionDelay, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(DecisionDelay(None));
+    }
+    parse_duration(s).map(|d| DecisionDelay(Some(d)))
 }
 
 /// Flags of `kvrouted simulate`.
@@ -161,6 +177,14 @@ pub struct SimulateArgs {
     /// Interval of the router's housekeeping ticks.
     #[arg(long, value_parser = parse_duration, default_value = "1s")]
     pub tick_interval: Duration,
+    /// Routers behind a round-robin gateway (1 to 64): each applies every worker event, routes
+    /// go to each in turn, and a gateway releases on the replica that routed the request.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// With --replicas above 1: how long one replica's decisions and releases take to reach
+    /// the others (`0ms`: at once; `off`: replicas do not share them and decide alone).
+    #[arg(long, value_parser = parse_decision_delay, default_value = "5ms", value_name = "DURATION|off")]
+    pub decision_delay: DecisionDelay,
 
     /// Router: no new owner of a prefix once this many are known.
     #[arg(long)]
@@ -313,6 +337,8 @@ impl SimulateArgs {
             "request-rate" => args.request_rate = parsed.request_rate,
             "prefix-skew" => args.prefix_skew = parsed.prefix_skew,
             "seed" => args.seed = parsed.seed,
+            "replicas" => args.replicas = parsed.replicas,
+            "decision-delay" => args.decision_delay = parsed.decision_delay,
             other => anyhow::bail!(
                 "--{other} cannot be swept; sweepable: {}",
                 SWEEPABLE.join(", ")
@@ -401,6 +427,8 @@ impl SimulateArgs {
             tick_interval_ms: self.tick_interval.as_millis() as u64,
             router,
             seed: self.seed,
+            replicas: self.replicas,
+            decision_delay_ms: self.decision_delay.0.map(|d| d.as_millis() as u64),
         }
     }
 
@@ -412,8 +440,13 @@ impl SimulateArgs {
                 _ => "generated agentic workload".to_string(),
             },
         };
+        let routers = match (self.replicas, self.decision_delay.0) {
+            (1, _) => String::new(),
+            (n, Some(delay)) => format!(", {n} replicas sharing decisions after {delay:?}"),
+            (n, None) => format!(", {n} replicas not sharing decisions"),
+        };
         format!(
-            "{source}: {} requests, {} workers x {} blocks of {} tokens, max_running {}",
+            "{source}: {} requests, {} workers x {} blocks of {} tokens, max_running {}{routers}",
             trace.requests.len(),
             self.workers,
             self.capacity_blocks,
