@@ -382,6 +382,25 @@ pub struct ServeArgs {
     /// Subscribe on core NATS only (no JetStream: events published while down are lost)
     #[arg(long, env = "KVROUTED_NO_JETSTREAM")]
     pub no_jetstream: bool,
+    /// Share decisions with other replicas under this name (1 to 64 characters from A-Z a-z
+    /// 0-9 _ -; each replica needs its own, with its own --consumer and --data-dir, e.g. the
+    /// pod name). Its routes and releases are published on
+    /// <prefix>.decisions.<replica-id>:<incarnation> (8 hex digits naming the data dir, renewed
+    /// after an unclean stop) and it applies the other replicas'. Unset, the daemon runs alone:
+    /// it neither publishes nor reads decisions
+    #[arg(long, env = "KVROUTED_REPLICA_ID", value_parser = parse_replica_id)]
+    pub replica_id: Option<String>,
+    /// JetStream replicas of the streams kvrouted creates (events, decisions): 1 on a single
+    /// server, 3 on a 3-server cluster, so that losing a server loses nothing. An existing
+    /// stream with fewer replicas is raised to this
+    #[arg(long, env = "KVROUTED_STREAM_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub stream_replicas: u8,
+    /// How long the decisions stream (<stream>_DECISIONS, subjects <prefix>.decisions.>) keeps
+    /// the replicas' decisions; a replica away longer than this catches up from the KV events
+    /// only. Keep it at least --reservation-ttl, so a restarted replica still learns every
+    /// reservation a peer may release
+    #[arg(long, env = "KVROUTED_DECISIONS_MAX_AGE", default_value = "10m", value_parser = parse_duration)]
+    pub decisions_max_age: Duration,
     #[command(flatten)]
     pub policy: PolicyArgs,
     /// How often the state is snapshotted (and the journal pruned)
@@ -419,7 +438,47 @@ pub struct ServeArgs {
     pub log_format: LogFormat,
 }
 
+/// The longest replica id: it names a NATS subject token and a durable consumer.
+const MAX_REPLICA_ID: usize = 64;
+
+/// Checks a `--replica-id`: 1 to 64 characters from `A-Z a-z 0-9 _ -` (it becomes a subject
+/// token and part of a consumer name, where dots, wildcards and spaces are not allowed).
+pub fn parse_replica_id(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > MAX_REPLICA_ID {
+        return Err(format!(
+            "{s:?}: a replica id has 1 to {MAX_REPLICA_ID} characters"
+        ));
+    }
+    if let Some(c) = s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-'))
+    {
+        return Err(format!(
+            "{s:?}: {c:?} is not allowed in a replica id (A-Z a-z 0-9 _ -)"
+        ));
+    }
+    Ok(s.to_owned())
+}
+
 impl ServeArgs {
+    /// `--replica-id`: the name this daemon shares its decisions under, none when it runs
+    /// alone.
+    pub fn replica_id(&self) -> Option<&str> {
+        self.replica_id.as_deref()
+    }
+
+    /// The decisions stream: named after `--stream`.
+    pub fn decisions_stream(&self) -> String {
+        format!("{}_DECISIONS", self.stream)
+    }
+
+    /// This replica's durable consumer of the decisions stream: named after its replica id,
+    /// which is unique among the replicas (none when it runs alone).
+    pub fn decisions_consumer(&self) -> Option<String> {
+        self.replica_id()
+            .map(|id| format!("kvrouted-decisions-{id}"))
+    }
+
     pub fn router_config(&self) -> RouterConfig {
         let mut config = RouterConfig::default();
         self.policy.apply(&mut config);
@@ -524,4 +583,20 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
     let line = before.matches('\n').count() + 1;
     let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
     (line, column)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replica_id_is_a_subject_token_and_consumer_name() {
+        assert_eq!(parse_replica_id("kvrouted-0").as_deref(), Ok("kvrouted-0"));
+        for bad in ["", "a.b", "a b", "a>", "a*", "a:b", &"x".repeat(65)] {
+            assert!(
+                parse_replica_id(bad).is_err(),
+                "{bad:?} cannot name a subject token or a durable consumer"
+            );
+        }
+    }
 }

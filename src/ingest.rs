@@ -10,9 +10,10 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use async_nats::HeaderMap;
 use futures::{FutureExt, StreamExt};
 
+use crate::decisions;
 use crate::input::{Input, RejectReason, Rejection, WorkerId};
 use crate::prom::reject;
-use crate::status::Status;
+use crate::status::{Feed, Status};
 use crate::wire;
 use crate::writer::{Ack, AckFuture, Acknowledge, WriterHandle};
 
@@ -22,14 +23,55 @@ pub struct IngestSettings {
     pub consumer: String,
     pub jetstream: bool,
     pub max_payload_bytes: usize,
+    /// JetStream replicas of the streams this daemon creates (or raises).
+    pub stream_replicas: usize,
+    /// This replica's name when it shares decisions: its own come back on
+    /// `<prefix>.decisions.<replica_id>` and are skipped. None: it runs alone and reads none.
+    pub replica_id: Option<String>,
+    /// The stream of every replica's decisions, its retention, and this replica's durable
+    /// consumer of it (when it shares decisions).
+    pub decisions_stream: String,
+    pub decisions_max_age: Duration,
+    pub decisions_consumer: Option<String>,
 }
 
-/// The kind of a subject under the prefix, and its worker token.
+impl IngestSettings {
+    /// The stream and durable consumer a feed reads.
+    fn feed(&self, feed: Feed) -> (stream::Config, &str) {
+        let prefix = &self.subject_prefix;
+        match feed {
+            Feed::Events => (
+                stream::Config {
+                    num_replicas: self.stream_replicas,
+                    ..stream_config(&self.stream, prefix)
+                },
+                &self.consumer,
+            ),
+            Feed::Decisions => (
+                stream::Config {
+                    num_replicas: self.stream_replicas,
+                    ..decisions_stream_config(
+                        &self.decisions_stream,
+                        prefix,
+                        self.decisions_max_age,
+                    )
+                },
+                self.decisions_consumer
+                    .as_deref()
+                    .expect("the decisions feed is read only by a replica sharing decisions"),
+            ),
+        }
+    }
+}
+
+/// The kind of a subject under the prefix, and its worker token (a replica's name for
+/// decisions).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Events,
     Load,
     Workers,
+    Decisions,
 }
 
 fn parse_subject<'a>(prefix: &str, subject: &'a str) -> Result<(Kind, &'a str), Rejection> {
@@ -52,6 +94,7 @@ fn parse_subject<'a>(prefix: &str, subject: &'a str) -> Result<(Kind, &'a str), 
         "events" => Kind::Events,
         "load" => Kind::Load,
         "workers" => Kind::Workers,
+        "decisions" => Kind::Decisions,
         _ => {
             return Err(Rejection::new(
                 RejectReason::MalformedPayload,
@@ -64,15 +107,17 @@ fn parse_subject<'a>(prefix: &str, subject: &'a str) -> Result<(Kind, &'a str), 
 
 /// Decodes one message into an input, with the rejections of the parts of it that were left
 /// out (a lifecycle message's bad optional fields): those are counted, the input still applied.
+/// `None` for this replica's own decisions: they were applied when it made them.
 fn decode(
     settings: &IngestSettings,
     subject: &str,
     headers: Option<&HeaderMap>,
     payload: &[u8],
-) -> Result<(Input, Vec<Rejection>), Rejection> {
-    let (kind, worker) = parse_subject(&settings.subject_prefix, subject)?;
-    let worker = WorkerId::new(worker)
-        .map_err(|e| Rejection::new(RejectReason::InvalidWorkerId, e.to_string()))?;
+) -> Result<Option<(Input, Vec<Rejection>)>, Rejection> {
+    let (kind, token) = parse_subject(&settings.subject_prefix, subject)?;
+    if kind == Kind::Decisions && Some(token) == settings.replica_id.as_deref() {
+        return Ok(None);
+    }
     if payload.len() > settings.max_payload_bytes {
         return Err(Rejection::new(
             RejectReason::OversizePayload,
@@ -83,8 +128,14 @@ fn decode(
             ),
         ));
     }
+    if kind == Kind::Decisions {
+        let input = decisions::decode(token, payload)?;
+        return Ok(Some((input, Vec::new())));
+    }
+    let worker = WorkerId::new(token)
+        .map_err(|e| Rejection::new(RejectReason::InvalidWorkerId, e.to_string()))?;
     let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
-    match kind {
+    let decoded = match kind {
         Kind::Events => {
             let headers = wire::parse_kv_headers(
                 header("Kv-Seq"),
@@ -93,7 +144,7 @@ fn decode(
                 header("Kv-Epoch"),
             )?;
             let batch = wire::decode_kv_batch(payload, worker, headers)?;
-            Ok((Input::KvEvents(batch), Vec::new()))
+            (Input::KvEvents(batch), Vec::new())
         }
         Kind::Load => {
             let headers =
@@ -103,13 +154,15 @@ fn decode(
                 sample.model = headers.model;
             }
             sample.dp_rank = headers.dp_rank.unwrap_or(0);
-            Ok((Input::Load(sample), Vec::new()))
+            (Input::Load(sample), Vec::new())
         }
         Kind::Workers => {
             let (lifecycle, rejected) = wire::decode_lifecycle(payload, worker)?;
-            Ok((Input::Lifecycle(lifecycle), rejected))
+            (Input::Lifecycle(lifecycle), rejected)
         }
-    }
+        Kind::Decisions => unreachable!("decisions are decoded above"),
+    };
+    Ok(Some(decoded))
 }
 
 /// Core-NATS subscription loop (load samples; everything with `--no-jetstream`).
@@ -133,12 +186,13 @@ async fn run_core(
                 tracing::info!(subject, "subscribed");
                 while let Some(msg) = sub.next().await {
                     match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
-                        Ok((input, rejected)) => {
+                        Ok(Some((input, rejected))) => {
                             rejected.iter().for_each(|r| reject(r, "nats"));
                             if writer.submit(input, "nats", None).await.is_err() {
                                 return;
                             }
                         }
+                        Ok(None) => {}
                         Err(r) => reject(&r, "nats"),
                     }
                 }
@@ -171,31 +225,128 @@ pub fn stream_config(name: &str, prefix: &str) -> stream::Config {
     }
 }
 
-/// JetStream consumer loop: creates the stream and durable consumer if missing, recreates the
-/// message stream with backoff whenever it breaks (broker restart, network). After every
-/// reconnect it checks at once that the stream and consumer still exist, and recreates them if
-/// the broker came back without them (restarted empty): waiting for the missed heartbeats would
-/// take seconds, and events published meanwhile would be lost.
+/// Bytes the decisions stream keeps at most (the oldest go first): a route's decision carries
+/// its prompt's block keys, so a busy fleet's decisions can outgrow the max age's worth of disk.
+pub const DECISIONS_MAX_BYTES: i64 = 1 << 30;
+
+/// The JetStream stream of every replica's decisions (`<prefix>.decisions.<replica>`). Short
+/// lived on purpose: a decision matters for the spill cooldown, the routing records' TTL and a
+/// reservation's TTL; a replica away for longer rebuilds ownership from the KV events alone.
+/// Bounded by [`DECISIONS_MAX_BYTES`] too.
+pub fn decisions_stream_config(name: &str, prefix: &str, max_age: Duration) -> stream::Config {
+    stream::Config {
+        name: name.to_string(),
+        subjects: vec![format!("{prefix}.decisions.>")],
+        storage: stream::StorageType::File,
+        max_age,
+        max_bytes: DECISIONS_MAX_BYTES,
+        ..Default::default()
+    }
+}
+
+/// Gets the stream, creating it as `wanted` if missing. An existing stream with fewer replicas
+/// than asked (e.g. created by a bridge, or before the cluster grew) is raised to them, and a
+/// decisions stream takes the asked max age, so `--stream-replicas` and the decisions' max age
+/// hold whoever created the stream first. A failed update is logged; the stream is used as it
+/// is.
+async fn ensure_stream(
+    js: &jetstream::Context,
+    wanted: stream::Config,
+) -> Result<stream::Stream, String> {
+    let stream = js
+        .get_or_create_stream(wanted.clone())
+        .await
+        .map_err(|e| format!("stream {}: {e}", wanted.name))?;
+    let current = stream.cached_info().config.clone();
+    let raise_replicas = current.num_replicas < wanted.num_replicas;
+    let set_max_age = !wanted.max_age.is_zero() && current.max_age != wanted.max_age;
+    if raise_replicas || set_max_age {
+        let updated = stream::Config {
+            num_replicas: current.num_replicas.max(wanted.num_replicas),
+            max_age: if set_max_age {
+                wanted.max_age
+            } else {
+                current.max_age
+            },
+            ..current.clone()
+        };
+        match js.update_stream(&updated).await {
+            Ok(_) => tracing::info!(
+                stream = wanted.name,
+                replicas = updated.num_replicas,
+                max_age = ?updated.max_age,
+                "updated the JetStream stream's replicas and max age"
+            ),
+            Err(e) => tracing::warn!(
+                stream = wanted.name,
+                replicas = current.num_replicas,
+                wanted_replicas = wanted.num_replicas,
+                "could not update the JetStream stream (used as it is): {e}"
+            ),
+        }
+    }
+    Ok(stream)
+}
+
+/// Acknowledged once every entry journaled before it is durable: marks a feed caught up with
+/// the backlog its stream held when the consumer started.
+struct CaughtUp {
+    status: Arc<Status>,
+    feed: Feed,
+}
+
+impl Acknowledge for CaughtUp {
+    fn ack(&self) -> AckFuture<'_> {
+        Box::pin(async move {
+            let consumer = self.status.consumer(self.feed);
+            if !consumer.caught_up.swap(true, Ordering::AcqRel) {
+                tracing::info!(
+                    feed = self.feed.name(),
+                    "caught up with the stream's backlog"
+                );
+            }
+            Ok(())
+        })
+    }
+}
+
+/// JetStream consumer loop of one feed: creates the stream and durable consumer if missing,
+/// recreates the message stream with backoff whenever it breaks (broker restart, network).
+/// After every reconnect it checks at once that the stream and consumer still exist, and
+/// recreates them if the broker came back without them (restarted empty): waiting for the
+/// missed heartbeats would take seconds, and events published meanwhile would be lost.
+///
+/// The feed is caught up once every message up to the stream's last sequence at start (or up
+/// to the end, whichever comes first) is journaled and flushed: a replica that was away answers
+/// routes only with what it missed applied.
 async fn run_jetstream(
     client: async_nats::Client,
     settings: Arc<IngestSettings>,
+    feed: Feed,
     writer: WriterHandle,
     status: Arc<Status>,
 ) {
     let js = jetstream::new(client);
-    let prefix = &settings.subject_prefix;
+    let (stream_config, consumer_name) = settings.feed(feed);
+    let consumer_name = consumer_name.to_string();
+    let consumer_status = status.consumer(feed);
+    let source = match feed {
+        Feed::Events => "jetstream",
+        Feed::Decisions => "decisions",
+    };
     let mut backoff = Duration::from_millis(100);
+    // Sent once: the in-order marker that sets `caught_up` after the backlog's flush.
+    let mut marker_sent = false;
     loop {
         let result: Result<(), String> = async {
-            let stream = js
-                .get_or_create_stream(stream_config(&settings.stream, prefix))
-                .await
-                .map_err(|e| format!("stream {}: {e}", settings.stream))?;
+            let stream = ensure_stream(&js, stream_config.clone()).await?;
+            // The backlog to catch up with: everything the stream holds now.
+            let target = stream.cached_info().state.last_sequence;
             let consumer: jetstream::consumer::Consumer<pull::Config> = stream
                 .get_or_create_consumer(
-                    &settings.consumer,
+                    &consumer_name,
                     pull::Config {
-                        durable_name: Some(settings.consumer.clone()),
+                        durable_name: Some(consumer_name.clone()),
                         // Cumulative: one ack per journal flush covers every message before it.
                         ack_policy: jetstream::consumer::AckPolicy::All,
                         ack_wait: Duration::from_secs(30),
@@ -204,20 +355,28 @@ async fn run_jetstream(
                     },
                 )
                 .await
-                .map_err(|e| format!("consumer {}: {e}", settings.consumer))?;
+                .map_err(|e| format!("consumer {consumer_name}: {e}"))?;
             let mut consumer = consumer;
             // A durable created by an earlier version acks explicitly; its policy cannot change
             // in place, so follow whatever it has.
             let cumulative =
                 consumer.cached_info().config.ack_policy == jetstream::consumer::AckPolicy::All;
             let pending = consumer.info().await.map(|i| i.num_pending).unwrap_or(1);
-            if pending == 0 {
-                status.caught_up.store(true, Ordering::Release);
+            if pending == 0 && !marker_sent {
+                marker_sent = true;
+                if writer
+                    .ack_in_order(caught_up_marker(&status, feed))
+                    .await
+                    .is_err()
+                {
+                    return Ok(());
+                }
             }
             tracing::info!(
-                stream = settings.stream,
-                consumer = settings.consumer,
+                stream = stream_config.name,
+                consumer = consumer_name,
                 backlog = pending,
+                up_to_stream_seq = target,
                 "consuming"
             );
             let mut messages = consumer
@@ -228,7 +387,7 @@ async fn run_jetstream(
                 .await
                 .map_err(|e| format!("messages: {e}"))?;
             backoff = Duration::from_millis(100);
-            status.consumer_live.store(true, Ordering::Release);
+            consumer_status.live.store(true, Ordering::Release);
             // Set when the broker came back without the stream or the consumer: what is still
             // buffered here was delivered before and is handed over, then both are recreated.
             let mut draining = false;
@@ -241,13 +400,13 @@ async fn run_jetstream(
                 } else {
                     let msg = tokio::select! {
                         msg = messages.next() => msg,
-                        () = status.reconnected.notified() => {
-                            if status.consumer_live.load(Ordering::Acquire) {
+                        () = consumer_status.reconnected.notified() => {
+                            if consumer_status.live.load(Ordering::Acquire) {
                                 continue; // the connect this consumer was set up after
                             }
-                            if consumer_exists(&js, &settings).await {
+                            if consumer_exists(&js, &stream_config.name, &consumer_name).await {
                                 // The broker kept its state: this message stream carries on.
-                                status.consumer_live.store(true, Ordering::Release);
+                                consumer_status.live.store(true, Ordering::Release);
                             } else {
                                 draining = true;
                             }
@@ -257,33 +416,48 @@ async fn run_jetstream(
                     let Some(msg) = msg else { break };
                     msg.map_err(|e| format!("message stream: {e}"))?
                 };
+                let mut backlog_done = false;
                 if let Ok(info) = msg.info() {
-                    let lag = (time::OffsetDateTime::now_utc() - info.published).as_seconds_f64();
-                    metrics::gauge!("kvrouted_ingest_lag_seconds").set(lag.max(0.0));
-                    metrics::gauge!("kvrouted_ingest_pending_messages").set(info.pending as f64);
-                    if info.pending == 0 {
-                        status.caught_up.store(true, Ordering::Release);
+                    if feed == Feed::Events {
+                        let lag =
+                            (time::OffsetDateTime::now_utc() - info.published).as_seconds_f64();
+                        metrics::gauge!("kvrouted_ingest_lag_seconds").set(lag.max(0.0));
+                        metrics::gauge!("kvrouted_ingest_pending_messages")
+                            .set(info.pending as f64);
                     }
+                    backlog_done = info.pending == 0 || info.stream_sequence >= target;
                 }
                 let (msg, acker) = msg.split();
                 let ack = Ack {
                     acker: Box::new(JetStreamAck(acker)),
                     cumulative,
                 };
-                match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
-                    Ok((input, rejected)) => {
-                        rejected.iter().for_each(|r| reject(r, "jetstream"));
-                        if writer.submit(input, "jetstream", Some(ack)).await.is_err() {
-                            return Ok(());
+                let handed =
+                    match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
+                        Ok(Some((input, rejected))) => {
+                            rejected.iter().for_each(|r| reject(r, source));
+                            writer.submit(input, source, Some(ack)).await
                         }
-                    }
-                    Err(r) => {
-                        reject(&r, "jetstream");
-                        // Nothing to journal: acknowledge (after the messages before it) so a bad
-                        // message is not redelivered forever.
-                        if writer.ack_in_order(ack).await.is_err() {
-                            return Ok(());
+                        // This replica's own decision, already applied when it was made.
+                        Ok(None) => writer.ack_in_order(ack).await,
+                        Err(r) => {
+                            reject(&r, source);
+                            // Nothing to journal: acknowledge (after the messages before it) so a bad
+                            // message is not redelivered forever.
+                            writer.ack_in_order(ack).await
                         }
+                    };
+                if handed.is_err() {
+                    return Ok(());
+                }
+                if backlog_done && !marker_sent {
+                    marker_sent = true;
+                    if writer
+                        .ack_in_order(caught_up_marker(&status, feed))
+                        .await
+                        .is_err()
+                    {
+                        return Ok(());
                     }
                 }
             }
@@ -293,14 +467,30 @@ async fn run_jetstream(
         match result {
             Ok(()) => return,
             Err(e) if e == Reconnected.to_string() => {
-                tracing::info!("NATS reconnected: checking the JetStream stream and consumer");
+                tracing::info!(
+                    feed = feed.name(),
+                    "NATS reconnected: checking the JetStream stream and consumer"
+                );
             }
             Err(e) => {
-                tracing::warn!("JetStream ingest interrupted, retrying in {backoff:?}: {e}");
+                tracing::warn!(
+                    feed = feed.name(),
+                    "JetStream ingest interrupted, retrying in {backoff:?}: {e}"
+                );
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
+    }
+}
+
+fn caught_up_marker(status: &Arc<Status>, feed: Feed) -> Ack {
+    Ack {
+        acker: Box::new(CaughtUp {
+            status: status.clone(),
+            feed,
+        }),
+        cumulative: false,
     }
 }
 
@@ -316,10 +506,10 @@ impl Acknowledge for JetStreamAck {
 /// Whether the broker has our stream and durable consumer (after a reconnect: a broker
 /// restarted without its storage has neither). An unanswered check counts as missing: they are
 /// then created if missing, or the message stream is set up again.
-async fn consumer_exists(js: &jetstream::Context, settings: &IngestSettings) -> bool {
+async fn consumer_exists(js: &jetstream::Context, stream: &str, consumer: &str) -> bool {
     let check = async {
-        let stream = js.get_stream(&settings.stream).await.ok()?;
-        stream.consumer_info(&settings.consumer).await.ok()
+        let stream = js.get_stream(stream).await.ok()?;
+        stream.consumer_info(consumer).await.ok()
     };
     matches!(
         tokio::time::timeout(Duration::from_secs(2), check).await,
@@ -340,7 +530,16 @@ pub async fn run(
     status
         .jetstream
         .store(settings.jetstream, Ordering::Release);
-    let expected = if settings.jetstream { 1 } else { 3 };
+    let kinds: &[&str] = if settings.replica_id.is_some() {
+        &["events", "workers", "decisions"]
+    } else {
+        &["events", "workers"]
+    };
+    let expected = if settings.jetstream {
+        1
+    } else {
+        1 + kinds.len()
+    };
     status.core_expected.store(expected, Ordering::Release);
     tasks.spawn(run_core(
         client.clone(),
@@ -350,10 +549,20 @@ pub async fn run(
         status.clone(),
     ));
     if settings.jetstream {
-        tasks.spawn(run_jetstream(client, settings.clone(), writer, status));
+        for &feed in status.feeds() {
+            tasks.spawn(run_jetstream(
+                client.clone(),
+                settings.clone(),
+                feed,
+                writer.clone(),
+                status.clone(),
+            ));
+        }
     } else {
-        status.caught_up.store(true, Ordering::Release);
-        for kind in ["events", "workers"] {
+        // Core NATS keeps no backlog: there is nothing to catch up with, and what is published
+        // while this daemon is down (events and peers' decisions alike) is lost.
+        status.set_caught_up();
+        for kind in kinds {
             tasks.spawn(run_core(
                 client.clone(),
                 format!("{prefix}.{kind}.>"),
@@ -395,6 +604,11 @@ mod tests {
             consumer: "kvrouted".into(),
             jetstream: true,
             max_payload_bytes: 1 << 20,
+            stream_replicas: 1,
+            replica_id: Some("r1".into()),
+            decisions_stream: "KVROUTED_DECISIONS".into(),
+            decisions_max_age: Duration::from_secs(600),
+            decisions_consumer: Some("kvrouted-decisions-r1".into()),
         }
     }
 
@@ -411,7 +625,7 @@ mod tests {
         let payload = wire::encode_vllm_batch(1.0, &[wire::VllmEvent::AllBlocksCleared], None);
         let h = headers(&[("Kv-Epoch", "boot-2"), ("Kv-Seq", "3")]);
         match decode(&settings(), "kv.events.w", Some(&h), &payload) {
-            Ok((Input::KvEvents(batch), rejected)) => {
+            Ok(Some((Input::KvEvents(batch), rejected))) => {
                 assert_eq!(
                     (batch.epoch.as_deref(), batch.seq, rejected.len()),
                     (Some("boot-2"), Some(3), 0),
@@ -435,7 +649,7 @@ mod tests {
         let payload = wire::encode_load(0.5, 1, 0, None, 0.0, None);
         let h = headers(&[("Kv-Dp-Rank", "3"), ("Kv-Model", "m")]);
         match decode(&settings(), "kv.load.w", Some(&h), &payload) {
-            Ok((Input::Load(sample), _)) => assert_eq!(
+            Ok(Some((Input::Load(sample), _))) => assert_eq!(
                 (sample.dp_rank, sample.model.as_deref()),
                 (3, Some("m")),
                 "Kv-Dp-Rank and Kv-Model fill the sample"
@@ -443,7 +657,9 @@ mod tests {
             other => panic!("expected a load sample, got {other:?}"),
         }
         match decode(&settings(), "kv.load.w", None, &payload) {
-            Ok((Input::Load(sample), _)) => assert_eq!(sample.dp_rank, 0, "no header: rank 0"),
+            Ok(Some((Input::Load(sample), _))) => {
+                assert_eq!(sample.dp_rank, 0, "no header: rank 0")
+            }
             other => panic!("expected a load sample, got {other:?}"),
         }
         let h = headers(&[("Kv-Dp-Rank", "-1")]);
@@ -461,7 +677,7 @@ mod tests {
         let payload = rmp_serde::to_vec(&serde_json::json!({"op": "drain", "block_size": "16"}))
             .expect("encodes");
         match decode(&settings(), "kv.workers.w", None, &payload) {
-            Ok((Input::Lifecycle(l), rejected)) => {
+            Ok(Some((Input::Lifecycle(l), rejected))) => {
                 assert_eq!(l.op, crate::input::LifecycleOp::Drain, "the drain is kept");
                 assert_eq!(
                     rejected.iter().map(|r| r.reason).collect::<Vec<_>>(),

@@ -7,13 +7,16 @@
 //! # Layout
 //!
 //! - Core (re-exported): [`router`] the state machine, [`policy`] the policy step by step,
-//!   [`input`], [`index`], [`workers`], [`reservations`], [`hashing`], [`wire`].
+//!   [`input`], [`index`], [`workers`], [`reservations`], [`replicas`] (what replicas tell each
+//!   other), [`hashing`], [`wire`].
 //! - [`daemon`]: `kvrouted serve` — recovery, then starts the writer, the flusher, ingest and
 //!   the HTTP API.
 //! - [`writer`]: the single writer that journals and applies inputs in one order; acks after
 //!   the flush; snapshots. The typed API the HTTP handlers call.
 //! - [`status`]: readiness, written by recovery and ingest, read by `/readyz`.
-//! - [`ingest`]: NATS subscriptions and the JetStream consumer; decodes payloads into inputs.
+//! - [`ingest`]: NATS subscriptions and the JetStream consumers; decodes payloads into inputs.
+//! - [`decisions`]: publishing this replica's decisions for its peers (theirs arrive through
+//!   ingest).
 //! - [`http`]: the gateway API (routes, releases, workers, health, metrics).
 //! - [`journal`]: the sled journal and snapshots; export for audits.
 //! - [`replay`]: re-applies a journal through the core (audit and counterfactuals).
@@ -33,6 +36,7 @@ pub use kvrouted_core::{
 pub mod bridge;
 pub mod config;
 pub mod daemon;
+pub mod decisions;
 pub mod demo;
 pub mod http;
 pub mod ingest;

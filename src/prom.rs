@@ -9,7 +9,10 @@
 //! `kvrouted_workers{state}`, `kvrouted_worker_pressure{worker}`,
 //! `kvrouted_worker_reserved_work{worker}`, `kvrouted_nats_reconnects_total`,
 //! `kvrouted_ingest_lag_seconds`, `kvrouted_journal_*` (`kvrouted_journal_errors_total`: failed
-//! journal writes; `kvrouted_journal_fault_refusals_total`: inputs refused after one).
+//! journal writes; `kvrouted_journal_fault_refusals_total`: inputs refused after one); from peer
+//! replicas `kvrouted_peer_inputs_total{outcome}`, `kvrouted_peer_spills_coalesced_total`,
+//! `kvrouted_peer_reservation_conflicts_total`, `kvrouted_peer_early_releases_total`; and this
+//! replica's own decisions for them, `kvrouted_decisions_*` (see `decisions`).
 
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -59,6 +62,13 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     counter!("kvrouted_nats_reconnects_total").absolute(0);
     counter!("kvrouted_journal_errors_total").absolute(0);
     counter!("kvrouted_journal_fault_refusals_total").absolute(0);
+    for outcome in PEER_OUTCOMES {
+        counter!("kvrouted_peer_inputs_total", "outcome" => outcome).absolute(0);
+    }
+    counter!("kvrouted_peer_spills_coalesced_total").absolute(0);
+    counter!("kvrouted_peer_reservation_conflicts_total").absolute(0);
+    counter!("kvrouted_peer_early_releases_total").absolute(0);
+    crate::decisions::register_metrics();
     Ok(handle)
 }
 
@@ -94,6 +104,10 @@ pub fn log_allowed(key: &'static str) -> Option<u64> {
         None
     }
 }
+
+/// What applying a peer replica's decision did: `applied`, or ignored as this replica's `own`,
+/// a `duplicate` (redelivered), or naming an `unknown_worker`.
+const PEER_OUTCOMES: [&str; 4] = ["applied", "own", "duplicate", "unknown_worker"];
 
 /// Records what one applied input did.
 pub fn record_output(output: &Output, source: &str) {
@@ -146,6 +160,31 @@ pub fn record_output(output: &Output, source: &str) {
             }
             for w in &r.removed_workers {
                 tracing::info!(worker = %w, "worker left");
+            }
+        }
+        Output::Peer(p) => {
+            if let Some(rejection) = &p.rejection {
+                reject(rejection, source);
+                return;
+            }
+            let outcome = if p.own {
+                PEER_OUTCOMES[1]
+            } else if p.duplicate {
+                PEER_OUTCOMES[2]
+            } else if p.unknown_worker {
+                PEER_OUTCOMES[3]
+            } else {
+                PEER_OUTCOMES[0]
+            };
+            counter!("kvrouted_peer_inputs_total", "outcome" => outcome).increment(1);
+            if p.coalesced_spill {
+                counter!("kvrouted_peer_spills_coalesced_total").increment(1);
+            }
+            if p.reservation_conflict {
+                counter!("kvrouted_peer_reservation_conflicts_total").increment(1);
+            }
+            if p.early_release {
+                counter!("kvrouted_peer_early_releases_total").increment(1);
             }
         }
         Output::Tick(t) => {

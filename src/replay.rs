@@ -140,7 +140,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         let line = match output {
             Output::Routed(d) => serde_json::json!({
                 "seq": seq, "at_ms": entry.at_ms, "request_id": d.request_id,
-                "worker": d.worker, "decision": d.decision, "matched_blocks": d.matched_blocks,
+                "reservation": d.reservation, "worker": d.worker, "decision": d.decision, "matched_blocks": d.matched_blocks,
                 "prompt_blocks": d.prompt_blocks, "owners": d.owners, "recorded": entry.outcome.as_ref().map(|o| o.to_string()),
             }),
             Output::NoCandidate => serde_json::json!({

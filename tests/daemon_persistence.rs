@@ -15,22 +15,6 @@ use serde_json::{json, Value};
 /// Blocks per stored prompt (and per `BlockStored` batch): a typical KV event batch.
 const PROMPT_BLOCKS: usize = 32;
 
-/// `kvrouted replay --verify` of a data dir (`source` `--data-dir`) or an export (`--journal`),
-/// writing the decisions to `out` if given; returns (success, stdout, stderr).
-fn replay_verify(source: &str, path: &Path, out: Option<&Path>) -> (bool, String, String) {
-    let mut args: Vec<&std::ffi::OsStr> = vec![
-        "replay".as_ref(),
-        source.as_ref(),
-        path.as_os_str(),
-        "--verify".as_ref(),
-    ];
-    if let Some(out) = out {
-        args.extend(["--out".as_ref(), out.as_os_str()]);
-    }
-    let (ok, _, stdout, stderr) = kvrouted(args);
-    (ok, stdout, stderr)
-}
-
 /// `kvrouted journal export` of the data dir `dir` into `work`; returns the export's path.
 fn export_journal(dir: &Path, work: &Path) -> PathBuf {
     let exported = work.join("journal.kvj");
@@ -392,7 +376,7 @@ struct Told {
     request_id: Option<String>,
     worker: Option<String>,
     decision: String,
-    seq: Option<u64>,
+    reservation: Option<u64>,
 }
 
 struct Gateway<'a> {
@@ -413,13 +397,13 @@ impl Gateway<'_> {
                 request_id: Some(id),
                 worker: reply["worker"].as_str().map(str::to_owned),
                 decision: reply["decision"].as_str().unwrap().to_owned(),
-                seq: reply["reservation"].as_u64(),
+                reservation: reply["reservation"].as_u64(),
             },
             503 => Told {
                 request_id: None,
                 worker: None,
                 decision: "no_candidate".into(),
-                seq: None,
+                reservation: None,
             },
             other => panic!("unexpected status {other}: {reply}"),
         };
@@ -489,7 +473,10 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
     );
     for told in gw.told.clone().iter().step_by(5) {
         let (status, _) = daemon
-            .post("/v1/release", &json!({"reservation": told.seq.unwrap()}))
+            .post(
+                "/v1/release",
+                &json!({"reservation": told.reservation.unwrap()}),
+            )
             .await;
         assert_eq!(status, 200);
     }
@@ -558,10 +545,14 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
                     (
                         d["worker"].as_str(),
                         d["decision"].as_str(),
-                        d["seq"].as_u64()
+                        d["reservation"].as_u64()
                     ),
-                    (t.worker.as_deref(), Some(t.decision.as_str()), t.seq),
-                    "request {id} replays to what the gateway was told"
+                    (
+                        t.worker.as_deref(),
+                        Some(t.decision.as_str()),
+                        t.reservation
+                    ),
+                    "request {id} replays to what the gateway was told, reservation id included"
                 );
             }
             None => assert_eq!(
@@ -630,9 +621,13 @@ async fn replaying_a_real_runs_journal_reproduces_every_decision_and_counterfact
     );
     let (seq, detail) = first_divergence(&stdout)
         .unwrap_or_else(|| panic!("--verify names the first divergent decision: {stdout}"));
+    let spill_seq = spill
+        .request_id
+        .as_deref()
+        .and_then(|id| by_request[id]["seq"].as_u64());
     assert_eq!(
         Some(seq),
-        spill.seq,
+        spill_seq,
         "the first divergence is the first spill"
     );
     assert!(

@@ -478,13 +478,20 @@ fn worker_users(ids: &[&str]) -> String {
         .collect()
 }
 
-/// The daemon's permissions (docs/security.md): the JetStream API of its stream, acks, its
-/// replies, and reading every kv subject.
+/// The daemon's permissions (docs/security.md): the JetStream API of its two streams (events
+/// and decisions), acks, publishing its decisions, its replies, and reading every kv subject.
 const DAEMON_PERMISSIONS: &str = r#"permissions: {
         publish: { allow: [
             "$JS.API.STREAM.INFO.KVROUTED", "$JS.API.STREAM.CREATE.KVROUTED",
+            "$JS.API.STREAM.UPDATE.KVROUTED",
             "$JS.API.CONSUMER.*.KVROUTED.>", "$JS.API.CONSUMER.DURABLE.CREATE.KVROUTED.>",
-            "$JS.API.CONSUMER.MSG.NEXT.KVROUTED.>", "$JS.ACK.KVROUTED.>"
+            "$JS.API.CONSUMER.MSG.NEXT.KVROUTED.>", "$JS.ACK.KVROUTED.>",
+            "$JS.API.STREAM.INFO.KVROUTED_DECISIONS", "$JS.API.STREAM.CREATE.KVROUTED_DECISIONS",
+            "$JS.API.STREAM.UPDATE.KVROUTED_DECISIONS",
+            "$JS.API.CONSUMER.*.KVROUTED_DECISIONS.>",
+            "$JS.API.CONSUMER.DURABLE.CREATE.KVROUTED_DECISIONS.>",
+            "$JS.API.CONSUMER.MSG.NEXT.KVROUTED_DECISIONS.>", "$JS.ACK.KVROUTED_DECISIONS.>",
+            "kv.decisions.>"
         ] }
         subscribe: { allow: ["kv.>", "_INBOX.>"] }
     }"#;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use crate::config::ServeArgs;
+use crate::decisions;
 use crate::http::auth::ApiTokens;
 use crate::http::server::ServerSettings;
 use crate::http::{self, AppState};
@@ -16,6 +17,7 @@ use crate::input::Input;
 use crate::journal::Journal;
 use crate::prom;
 use crate::replay::replay;
+use crate::replicas::ReservationSecret;
 use crate::router::{Router, RouterConfig};
 use crate::status::{Status, EXIT_STORAGE_FAULT};
 use crate::writer::{self, apply_journaled, Clock, PendingAcks, WriterSettings};
@@ -26,14 +28,36 @@ struct Recovered {
     journal: Journal,
     router: Router,
     clock: Clock,
+    /// The replica id its decisions go out under: `--replica-id` and the data dir's incarnation.
+    /// `<--replica-id>:<incarnation>` when decisions are shared.
+    replica_id: Option<String>,
+    /// The data dir held nothing before this start.
+    fresh: bool,
 }
 
-/// Loads the latest snapshot, replays the journal after it, and journals this start's settings.
-/// Failing to open or read the data dir is fatal: never start with a silently empty index.
-fn recover(args: &ServeArgs, config: RouterConfig) -> anyhow::Result<Recovered> {
+/// Loads the latest snapshot, replays the journal after it, and journals this start's settings
+/// (with this replica's id and the data dir's reservation secret). Failing to open or read the
+/// data dir is fatal: never start with a silently empty index.
+fn recover(args: &ServeArgs, mut config: RouterConfig) -> anyhow::Result<Recovered> {
     let started = Instant::now();
     let journal = Journal::open(&args.data_dir)?;
+    if !journal.begin_run()? {
+        tracing::warn!(
+            "the previous kvrouted on this data dir did not stop cleanly: this replica's \
+             decisions go out under a new incarnation"
+        );
+    }
+    // A data dir made afresh, or one whose last entries may be lost, is another incarnation:
+    // its journal sequences start again from what is durable, and peers skip the sequences
+    // they have seen from a replica id.
+    let replica_id = match args.replica_id() {
+        Some(id) => Some(format!("{id}:{}", journal.incarnation()?)),
+        None => None,
+    };
+    config.replica_id = replica_id.clone().unwrap_or_default();
+    config.reservation_secret = Some(ReservationSecret::from_bytes(journal.reservation_secret()?));
     let snapshot = journal.latest_snapshot()?;
+    let fresh = snapshot.is_none() && journal.last_seq()?.is_none();
     let snapshot_seq = snapshot.as_ref().map_or(0, |s| s.seq);
     let mut last_at = snapshot.as_ref().map_or(0, |s| s.at_ms);
     let (mut router, stats) = replay(
@@ -70,6 +94,8 @@ fn recover(args: &ServeArgs, config: RouterConfig) -> anyhow::Result<Recovered> 
         journal,
         router,
         clock,
+        replica_id,
+        fresh,
     })
 }
 
@@ -174,6 +200,9 @@ fn reload_tokens_on_sighup(tokens: Option<Arc<ApiTokens>>) -> anyhow::Result<()>
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let server_settings = http_server_settings(&args)?;
     let status = Arc::new(Status::default());
+    status
+        .shares_decisions
+        .store(args.replica_id().is_some(), Ordering::Release);
     // Credentials and TLS files are read now: a bad one is an error before anything starts.
     let events_status = status.clone();
     let nats_options = args
@@ -223,11 +252,21 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         journal,
         router,
         clock,
+        replica_id,
+        fresh,
     } = recovered;
-    // Resume the stream where the journal stands, before ingest starts (and while `/readyz`
+    match &replica_id {
+        Some(id) => tracing::info!(replica_id = %id, "sharing decisions with peer replicas"),
+        None => tracing::info!("running alone (no --replica-id): decisions are not shared"),
+    }
+
+    // Resume the streams where the journal stands, before ingest starts (and while `/readyz`
     // still says recovering). Only now that this process holds the data dir's lock.
     if !args.no_jetstream {
-        rewind_consumer(&client, &args.stream, &args.consumer).await;
+        rewind_consumer(&client, &args.stream, &args.consumer, fresh).await;
+        if let Some(consumer) = args.decisions_consumer() {
+            rewind_consumer(&client, &args.decisions_stream(), &consumer, fresh).await;
+        }
     }
     // Hand the socket over: the recovering server stops accepting (connections arriving
     // meanwhile wait in the backlog), then the real API serves them.
@@ -236,6 +275,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     status.recovered.store(true, Ordering::Release);
 
     let pending = Arc::new(PendingAcks::new(status.journal_fault.clone()));
+    let decisions = replica_id.as_ref().map(|id| {
+        decisions::spawn_publisher(
+            client.clone(),
+            format!("{}.decisions.{id}", args.subject_prefix),
+            !args.no_jetstream,
+        )
+    });
     let (writer, writer_thread) = writer::spawn(
         router,
         journal.clone(),
@@ -246,6 +292,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             journal_max_age: args.journal_max_age,
             journal_max_bytes: args.journal_max_bytes,
         },
+        decisions,
     );
     tokio::spawn(writer::run_flusher(
         journal.clone(),
@@ -260,6 +307,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         consumer: args.consumer.clone(),
         jetstream: !args.no_jetstream,
         max_payload_bytes: args.max_body_bytes,
+        stream_replicas: args.stream_replicas.into(),
+        replica_id: replica_id.clone(),
+        decisions_stream: args.decisions_stream(),
+        decisions_max_age: args.decisions_max_age,
+        decisions_consumer: args.decisions_consumer(),
     };
     tokio::spawn(ingest::run(
         client.clone(),
@@ -334,6 +386,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         // The final snapshot flushed the journal: ack what it covers, so a clean restart does
         // not see those messages again.
         writer::flush_and_ack(&journal, &pending).await;
+        if !fault.failed() {
+            if let Err(e) = journal.end_run() {
+                tracing::warn!("could not mark the clean stop in the data dir: {e}");
+            }
+        }
         // With the broker down a flush would wait forever: give it a moment, then stop anyway.
         let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
     };
@@ -380,7 +437,11 @@ fn exit_storage_fault(reason: &str) -> ! {
 /// that were journaled after all are skipped by their `Kv-Seq`. A stream whose retention is not
 /// `limits` (interest or work queue) could drop messages while the consumer is gone, so it is
 /// left alone. Any failure leaves the consumer as it was; ingest then starts as usual.
-async fn rewind_consumer(client: &async_nats::Client, stream: &str, consumer: &str) {
+///
+/// With a `fresh` data dir (nothing journaled yet: a new replica, or one whose dir was lost) a
+/// durable consumer left by an earlier incarnation would resume after messages this journal
+/// never held; it is deleted, and ingest creates it again from the start of the stream.
+async fn rewind_consumer(client: &async_nats::Client, stream: &str, consumer: &str, fresh: bool) {
     use async_nats::connection::State;
     use async_nats::jetstream::{self, consumer::DeliverPolicy, stream::RetentionPolicy};
     // Only with the broker reachable now: a daemon started while NATS is down must not wait.
@@ -410,6 +471,21 @@ async fn rewind_consumer(client: &async_nats::Client, stream: &str, consumer: &s
         let Ok(info) = stream.consumer_info(consumer).await else {
             return Ok(None);
         };
+        if fresh {
+            if info.delivered.stream_sequence == 0 {
+                return Ok(None);
+            }
+            stream
+                .delete_consumer(consumer)
+                .await
+                .map_err(|e| format!("delete: {e}"))?;
+            tracing::info!(
+                consumer,
+                "the data dir is new: deleted the durable consumer an earlier data dir left, so \
+                 the stream is read from its start"
+            );
+            return Ok(None);
+        }
         if info.num_ack_pending == 0 || retention != RetentionPolicy::Limits {
             return Ok(None);
         }

@@ -361,10 +361,8 @@ async fn readyz(State(state): State<AppState>) -> Response {
         subscribed > 0 && subscribed >= s.core_expected.load(Ordering::Acquire);
     // Connected again but the stream and consumer are not back yet (a broker restarted empty):
     // events published now would not be captured, so not ready.
-    let consumer_missing = s.jetstream.load(Ordering::Acquire)
-        && !s.consumer_live.load(Ordering::Acquire)
-        && s.nats_connected.load(Ordering::Acquire);
-    if !s.caught_up.load(Ordering::Acquire) || !subscriptions_live || consumer_missing {
+    let consumer_missing = s.consumer_missing() && s.nats_connected.load(Ordering::Acquire);
+    if !s.caught_up() || !subscriptions_live || consumer_missing {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "catching_up"})),

@@ -5,7 +5,10 @@
 //!
 //! - tree `journal`: sequence number (u64 big-endian) → [`JournalEntry`] (MessagePack);
 //! - tree `snapshots`: sequence number covered → [`Snapshot`] (MessagePack); the latest two kept;
-//! - tree `meta`: `schema_version`.
+//! - tree `meta`: `schema_version`; `reservation_secret` (32 random bytes, made on the first
+//!   start: the key of this replica's reservation ids) and `incarnation` (4 random bytes: which
+//!   data dir this is, part of the replica id its decisions go out under; renewed after an
+//!   unclean stop); `running` while a daemon runs on it.
 //!
 //! Restart = the latest snapshot + the journal after it. The journal is also the audit log that
 //! `kvrouted replay` re-applies.
@@ -279,6 +282,65 @@ impl Journal {
     pub async fn flush_async(&self) -> Result<()> {
         self.db.flush_async().await?;
         Ok(())
+    }
+
+    /// The secret this data dir's reservation ids are derived with: 32 random bytes, the same
+    /// on every start. Kept beside the journal, so a replica's ids stay unguessable and unique
+    /// across restarts.
+    pub fn reservation_secret(&self) -> Result<[u8; 32]> {
+        self.made_once("reservation_secret")
+    }
+
+    /// This data dir's incarnation: 8 hex digits, the same on every start. A data dir made
+    /// afresh (lost, wiped) gets another, so that peers never take its journal sequences, which
+    /// start again at 1, for those of the dir it replaces (they skip what they have seen).
+    pub fn incarnation(&self) -> Result<String> {
+        let bytes: [u8; 4] = self.made_once("incarnation")?;
+        Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Marks the data dir as in use by a running daemon until [`Journal::end_run`]. Returns
+    /// whether the daemon before stopped cleanly (or there was none). After an unclean stop
+    /// (crash, kill -9) the incarnation is renewed: the last journal entries before it may not
+    /// have been flushed, yet their decisions may have reached peers, and this start will
+    /// number its inputs from the last durable entry again. Under a new incarnation peers take
+    /// those numbers for new ones (and apply the lost decisions as a peer's, which they were).
+    pub fn begin_run(&self) -> Result<bool> {
+        const KEY: &str = "running";
+        let meta = self.db.open_tree("meta")?;
+        let clean = meta.get(KEY)?.is_none();
+        if !clean {
+            meta.remove("incarnation")?;
+        }
+        meta.insert(KEY, &[1u8])?;
+        self.db.flush()?;
+        Ok(clean)
+    }
+
+    /// Marks a clean stop: everything journaled is flushed, the next start keeps the
+    /// incarnation.
+    pub fn end_run(&self) -> Result<()> {
+        self.db.open_tree("meta")?.remove("running")?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    /// `N` random bytes from the operating system under `key` in the `meta` tree: made and
+    /// flushed on the first call, read back on every later one.
+    fn made_once<const N: usize>(&self, key: &str) -> Result<[u8; N]> {
+        let meta = self.db.open_tree("meta")?;
+        if let Some(v) = meta.get(key)? {
+            return v.as_ref().try_into().map_err(|_| JournalError::Corrupt {
+                seq: 0,
+                detail: format!("{key} is not {N} bytes"),
+            });
+        }
+        let mut bytes = [0u8; N];
+        getrandom::fill(&mut bytes)
+            .map_err(|e| std::io::Error::other(format!("no randomness for {key}: {e}")))?;
+        meta.insert(key, &bytes[..])?;
+        self.db.flush()?;
+        Ok(bytes)
     }
 
     /// Sequence number of the last journaled entry.

@@ -377,3 +377,71 @@ fn inputs_journaled_before_epochs_and_tiers_still_decode() {
         "Other decodes as the disk tier"
     );
 }
+
+#[test]
+fn the_reservation_secret_and_incarnation_are_made_once_per_data_dir_and_kept_across_restarts() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let first = Journal::open(dir.path()).unwrap();
+    let secret = first.reservation_secret().unwrap();
+    let incarnation = first.incarnation().unwrap();
+    assert_eq!(
+        first.reservation_secret().unwrap(),
+        secret,
+        "asking again gives the same secret"
+    );
+    drop(first);
+    let again = reopen(dir.path(), Journal::open).unwrap();
+    assert_eq!(
+        again.reservation_secret().unwrap(),
+        secret,
+        "a restart keeps the secret, so reservation ids stay unique and unguessable"
+    );
+    assert_eq!(
+        again.incarnation().unwrap(),
+        incarnation,
+        "a restart is the same incarnation of the data dir"
+    );
+    let other = tempfile::TempDir::new().unwrap();
+    let other = Journal::open(other.path()).unwrap();
+    assert_ne!(
+        other.reservation_secret().unwrap(),
+        secret,
+        "another data dir (another replica) has its own secret"
+    );
+    assert_ne!(
+        other.incarnation().unwrap(),
+        incarnation,
+        "a data dir made afresh is another incarnation"
+    );
+}
+
+#[test]
+fn an_unclean_stop_renews_the_incarnation_and_a_clean_one_keeps_it() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    assert!(
+        journal.begin_run().unwrap(),
+        "a new data dir has no unclean stop behind it"
+    );
+    let first = journal.incarnation().unwrap();
+    journal.end_run().unwrap();
+    assert!(
+        journal.begin_run().unwrap(),
+        "after end_run the stop was clean"
+    );
+    assert_eq!(
+        journal.incarnation().unwrap(),
+        first,
+        "a clean restart keeps the incarnation"
+    );
+    // No end_run: the process died.
+    assert!(
+        !journal.begin_run().unwrap(),
+        "a run that never ended is an unclean stop"
+    );
+    assert_ne!(
+        journal.incarnation().unwrap(),
+        first,
+        "after an unclean stop decisions go out under a new incarnation"
+    );
+}

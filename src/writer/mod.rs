@@ -26,9 +26,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{mpsc, oneshot};
 
+use crate::decisions::DecisionSink;
 use crate::input::{Input, RouteRequest, Stamped};
 use crate::journal::{Journal, JournalEntry, RouteOutcome};
 use crate::prom;
+use crate::replicas::PeerEvent;
 use crate::reservations::ReleasePhase;
 use crate::router::{BlockSizes, Decision, Output, Router, WorkerRow};
 pub use acks::{flush_and_ack, run_flusher, Ack, AckFuture, Acknowledge, PendingAcks};
@@ -102,6 +104,8 @@ pub struct WriterHandle {
     block_sizes: Arc<RwLock<Arc<BlockSizes>>>,
     ingest: mpsc::Sender<Command>,
     control: mpsc::Sender<Command>,
+    /// Where this replica's routes and releases go for its peers (none: it runs alone).
+    decisions: Option<DecisionSink>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -140,7 +144,10 @@ impl WriterHandle {
     pub async fn route(&self, request: RouteRequest) -> Result<Decision, RouteError> {
         let output = self.apply_gateway(Input::Route(request)).await?;
         match output {
-            Output::Routed(decision) => Ok(decision),
+            Output::Routed(mut decision) => {
+                self.share(decision.peer_event.take());
+                Ok(decision)
+            }
             Output::NoCandidate => Err(RouteError::NoCandidate),
             other => unreachable!("the router answers a route with a decision or none: {other:?}"),
         }
@@ -157,10 +164,21 @@ impl WriterHandle {
             .apply_gateway(Input::Release { reservation, phase })
             .await?
         {
-            Output::Released { found, .. } => Ok(found),
+            Output::Released { found, peer_event } => {
+                self.share(peer_event);
+                Ok(found)
+            }
             other => {
                 unreachable!("the router answers a release with whether it found it: {other:?}")
             }
+        }
+    }
+
+    /// Hands a route's or release's event to the publisher for peer replicas, after its journal
+    /// entry is written and the state's lock released (never waiting for NATS).
+    fn share(&self, event: Option<Box<PeerEvent>>) {
+        if let (Some(sink), Some(event)) = (&self.decisions, event) {
+            sink.offer(event);
         }
     }
 
@@ -342,6 +360,7 @@ pub fn spawn(
     clock: Clock,
     pending: Arc<PendingAcks>,
     settings: WriterSettings,
+    decisions: Option<DecisionSink>,
 ) -> (WriterHandle, std::thread::JoinHandle<()>) {
     let (control, control_rx) = mpsc::channel::<Command>(1);
     let (ingest, ingest_rx) = mpsc::channel::<Command>(INGEST_QUEUE);
@@ -362,6 +381,7 @@ pub fn spawn(
         block_sizes: block_sizes.clone(),
         ingest,
         control,
+        decisions,
     };
     let thread = std::thread::Builder::new()
         .name("kvrouted-writer".into())

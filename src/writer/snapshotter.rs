@@ -172,6 +172,7 @@ mod tests {
                 journal_max_age: year,
                 journal_max_bytes: u64::MAX,
             },
+            None,
         );
         // Routes and ingest race with periodic snapshots; keep one taken mid-stream.
         let mut taken = None;

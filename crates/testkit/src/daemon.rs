@@ -382,6 +382,22 @@ impl Daemon {
             .collect()
     }
 
+    /// Reserved work per worker id, from `/v1/workers` (replicas that share their decisions
+    /// agree on it once every decision has arrived).
+    pub async fn reserved_work(&self) -> std::collections::BTreeMap<String, u64> {
+        self.workers().await["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                (
+                    w["id"].as_str().unwrap().to_string(),
+                    w["reserved_work"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+
     /// The value of a Prometheus sample line, e.g. `kvrouted_inputs_rejected_total{reason="x"}`.
     pub async fn metric(&self, series: &str) -> f64 {
         series_value(&self.get("/metrics").await.1, series)
@@ -527,6 +543,22 @@ where
     cmd.args(args);
     let (status, stdout, stderr) = run_to_exit(cmd);
     (status.success(), status.code(), stdout, stderr)
+}
+
+/// `kvrouted replay --verify` of a data dir (`source` `--data-dir`) or an export (`--journal`),
+/// writing the decisions to `out` if given; returns (success, stdout, stderr).
+pub fn replay_verify(source: &str, path: &Path, out: Option<&Path>) -> (bool, String, String) {
+    let mut args: Vec<&std::ffi::OsStr> = vec![
+        "replay".as_ref(),
+        source.as_ref(),
+        path.as_os_str(),
+        "--verify".as_ref(),
+    ];
+    if let Some(out) = out {
+        args.extend(["--out".as_ref(), out.as_os_str()]);
+    }
+    let (ok, _, stdout, stderr) = kvrouted(args);
+    (ok, stdout, stderr)
 }
 
 /// The log without ANSI colour codes.

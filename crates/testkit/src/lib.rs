@@ -7,9 +7,10 @@
 //! # Layout
 //!
 //! - [`processes`]: free loopback ports, waiting for a port, finding `nats-server`.
-//! - [`nats`]: [`Nats`], a nats-server with JetStream and its own storage.
+//! - [`nats`]: [`Nats`], a nats-server with JetStream and its own storage; [`NatsCluster`], 3
+//!   of them clustered, each killable and restartable.
 //! - [`daemon`]: [`Daemon`], the `kvrouted` binary under test, and its HTTP helpers;
-//!   [`run_to_exit`] for commands that must exit.
+//!   [`run_to_exit`] for commands that must exit; [`replay_verify`], the audit of a journal.
 //! - [`worker`]: [`Worker`], a simulated vLLM worker publishing on NATS; [`prompt`];
 //!   [`OwnerAndOther`], the two-worker fleet most daemon tests start from.
 //! - [`poll`]: [`eventually`] and the [`DEADLINE`] every wait shares.
@@ -34,10 +35,11 @@ pub mod worker;
 
 #[cfg(feature = "processes")]
 pub use daemon::{
-    kvrouted, kvrouted_bin, kvrouted_command, metric_at, plain, run_to_exit, series_value, Daemon,
+    kvrouted, kvrouted_bin, kvrouted_command, metric_at, plain, replay_verify, run_to_exit,
+    series_value, Daemon,
 };
 #[cfg(feature = "processes")]
-pub use nats::Nats;
+pub use nats::{Nats, NatsCluster};
 #[cfg(feature = "processes")]
 pub use poll::{eventually, DEADLINE};
 #[cfg(feature = "processes")]

@@ -1,11 +1,12 @@
 //! A nats-server process with JetStream on a free loopback port and its own storage dir,
-//! killed on drop.
+//! killed on drop; and a 3-server cluster of them.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
 use tempfile::TempDir;
 
+use crate::poll::eventually;
 use crate::processes::{free_port, nats_server_bin, wait_for_port};
 
 /// A nats-server with JetStream on a free port and its own storage dir.
@@ -97,5 +98,93 @@ impl Nats {
 impl Drop for Nats {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Servers in a [`NatsCluster`]: the smallest cluster in which JetStream keeps a stream with 3
+/// replicas, and the quorum of its meta group, through the loss of any one server.
+pub const CLUSTER_SIZE: usize = 3;
+
+/// A 3-server nats-server cluster on loopback: cluster routes between the servers, JetStream on
+/// each with its own storage dir, free client and cluster ports. Each server can be stopped and
+/// restarted on its own ports and storage. Killed on drop.
+pub struct NatsCluster {
+    servers: Vec<Nats>,
+}
+
+impl NatsCluster {
+    /// Starts the 3 servers and waits until JetStream answers on every one of them (the meta
+    /// group has a leader, so streams can be created).
+    pub async fn start() -> NatsCluster {
+        let cluster_ports: Vec<u16> = (0..CLUSTER_SIZE).map(|_| free_port()).collect();
+        let servers = (0..CLUSTER_SIZE)
+            .map(|i| {
+                let routes: Vec<String> = cluster_ports
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| j != i)
+                    .map(|(_, port)| format!("nats-route://127.0.0.1:{port}"))
+                    .collect();
+                Nats::start_with_config(&format!(
+                    "server_name: n{i}\n\
+                     cluster {{\n  name: kvrouted-test\n  listen: 127.0.0.1:{}\n  routes: [{}]\n}}\n",
+                    cluster_ports[i],
+                    routes.join(", ")
+                ))
+            })
+            .collect();
+        let cluster = NatsCluster { servers };
+        for i in 0..CLUSTER_SIZE {
+            cluster.wait_jetstream(i).await;
+        }
+        cluster
+    }
+
+    /// Waits until server `i` can place a stream with 3 replicas (after a start or a restart,
+    /// once it has rejoined the cluster's meta group): it creates and deletes a probe stream.
+    pub async fn wait_jetstream(&self, i: usize) {
+        let client = async_nats::connect(self.url(i)).await.expect("connect");
+        let js = async_nats::jetstream::new(client);
+        let probe = format!("TESTKIT_PROBE_{i}");
+        eventually(
+            &format!("cluster server {i} places a stream with 3 replicas"),
+            || {
+                let (js, probe) = (js.clone(), probe.clone());
+                async move {
+                    let config = async_nats::jetstream::stream::Config {
+                        name: probe.clone(),
+                        subjects: vec![format!("testkit.probe.{i}")],
+                        num_replicas: CLUSTER_SIZE,
+                        ..Default::default()
+                    };
+                    js.get_or_create_stream(config).await.ok()?;
+                    js.delete_stream(&probe).await.ok().map(|_| ())
+                }
+            },
+        )
+        .await;
+    }
+
+    /// Client URL of server `i`.
+    pub fn url(&self, i: usize) -> String {
+        self.servers[i].url()
+    }
+
+    /// Every server's client URL, comma-separated (what `--nats-url` takes).
+    pub fn urls(&self) -> String {
+        (0..CLUSTER_SIZE)
+            .map(|i| self.url(i))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Kills server `i` (its storage stays for [`NatsCluster::restart`]).
+    pub fn stop(&mut self, i: usize) {
+        self.servers[i].stop();
+    }
+
+    /// Starts server `i` again on its ports and storage; it rejoins the cluster.
+    pub fn restart(&mut self, i: usize) {
+        self.servers[i].restart();
     }
 }

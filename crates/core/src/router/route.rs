@@ -116,7 +116,12 @@ impl Router {
         }
         let announced = lora.is_none()
             && (model.is_none()
-                || self.state.workers.get(slot).and_then(|w| w.model.as_deref()) == model);
+                || self
+                    .state
+                    .workers
+                    .get(slot)
+                    .and_then(|w| w.model.as_deref())
+                    == model);
         if announced {
             self.intern(model, lora)
         } else {
