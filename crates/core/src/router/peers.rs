@@ -134,9 +134,12 @@ impl Router {
             );
         }
         if let Some(ns) = ns {
-            self.state
-                .approx
-                .record(ns, keys, slot, now + self.config.approx_ttl_ms);
+            self.state.approx.record(
+                ns,
+                keys,
+                slot,
+                now.saturating_add(self.config.approx_ttl_ms),
+            );
         }
     }
 
