@@ -15,7 +15,7 @@ use crate::input::{Input, RejectReason, Rejection, WorkerId};
 use crate::prom::reject;
 use crate::status::{Feed, Status};
 use crate::wire;
-use crate::writer::{Ack, AckFuture, Acknowledge, WriterHandle};
+use crate::writer::{Ack, AckFuture, Acknowledge, WriterGone, WriterHandle};
 
 pub struct IngestSettings {
     pub subject_prefix: String,
@@ -362,15 +362,12 @@ async fn run_jetstream(
             let cumulative =
                 consumer.cached_info().config.ack_policy == jetstream::consumer::AckPolicy::All;
             let pending = consumer.info().await.map(|i| i.num_pending).unwrap_or(1);
-            if pending == 0 && !marker_sent {
-                marker_sent = true;
-                if writer
-                    .ack_in_order(caught_up_marker(&status, feed))
+            if pending == 0
+                && mark_caught_up(&writer, &status, feed, &mut marker_sent)
                     .await
                     .is_err()
-                {
-                    return Ok(());
-                }
+            {
+                return Ok(());
             }
             tracing::info!(
                 stream = stream_config.name,
@@ -450,15 +447,12 @@ async fn run_jetstream(
                 if handed.is_err() {
                     return Ok(());
                 }
-                if backlog_done && !marker_sent {
-                    marker_sent = true;
-                    if writer
-                        .ack_in_order(caught_up_marker(&status, feed))
+                if backlog_done
+                    && mark_caught_up(&writer, &status, feed, &mut marker_sent)
                         .await
                         .is_err()
-                    {
-                        return Ok(());
-                    }
+                {
+                    return Ok(());
                 }
             }
             Err("message stream ended".to_string())
@@ -482,6 +476,21 @@ async fn run_jetstream(
             }
         }
     }
+}
+
+/// Queues the caught-up marker once (`sent` remembers it): the feed counts as caught up when
+/// the writer reaches it, after everything handed over before it is journaled and flushed.
+async fn mark_caught_up(
+    writer: &WriterHandle,
+    status: &Arc<Status>,
+    feed: Feed,
+    sent: &mut bool,
+) -> Result<(), WriterGone> {
+    if *sent {
+        return Ok(());
+    }
+    *sent = true;
+    writer.ack_in_order(caught_up_marker(status, feed)).await
 }
 
 fn caught_up_marker(status: &Arc<Status>, feed: Feed) -> Ack {

@@ -369,22 +369,17 @@ impl Daemon {
 
     /// Blocks owned by KV events per worker id, from `/v1/workers`.
     pub async fn blocks(&self) -> std::collections::BTreeMap<String, u64> {
-        self.workers().await["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| {
-                (
-                    w["id"].as_str().unwrap().to_string(),
-                    w["blocks"].as_u64().unwrap(),
-                )
-            })
-            .collect()
+        self.worker_column("blocks").await
     }
 
     /// Reserved work per worker id, from `/v1/workers` (replicas that share their decisions
     /// agree on it once every decision has arrived).
     pub async fn reserved_work(&self) -> std::collections::BTreeMap<String, u64> {
+        self.worker_column("reserved_work").await
+    }
+
+    /// One numeric column of `/v1/workers`, per worker id.
+    async fn worker_column(&self, column: &str) -> std::collections::BTreeMap<String, u64> {
         self.workers().await["workers"]
             .as_array()
             .unwrap()
@@ -392,7 +387,7 @@ impl Daemon {
             .map(|w| {
                 (
                     w["id"].as_str().unwrap().to_string(),
-                    w["reserved_work"].as_u64().unwrap(),
+                    w[column].as_u64().unwrap(),
                 )
             })
             .collect()
