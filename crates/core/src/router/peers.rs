@@ -21,12 +21,22 @@ pub const MAX_PEER_REPLICAS: usize = 1024;
 /// forgotten first.
 pub const MAX_EARLY_RELEASES: usize = 65_536;
 
+/// How far a peer's event may arrive behind newer ones of the same peer and still be applied:
+/// a publisher retries a decision for up to 30s while later ones are stored, so the stream
+/// may hold them out of order. Measured on the peer's own clock (`at_ms`), so replay agrees.
+pub const PEER_REORDER_WINDOW_MS: u64 = 120_000;
+
+/// Most sequences remembered per peer inside [`PEER_REORDER_WINDOW_MS`]; beyond it the oldest
+/// are folded into the floor (a reordered event below the floor is then skipped as a
+/// redelivery: it costs one shared decision, never a double count).
+pub const MAX_RECENT_PER_PEER: usize = 131_072;
+
 /// What a router knows of its peer replicas.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct PeerState {
-    /// The last event sequence applied from each peer: an event at or below it is a
-    /// redelivery and is skipped, so a peer's reserved work is never added twice.
-    last_seq: BTreeMap<String, u64>,
+    /// Per peer, the floor: an event at or below it counts as applied (a redelivery), so a
+    /// peer's reserved work is never added twice. Journal sequences start at 1.
+    applied_floor: BTreeMap<String, u64>,
     /// Releases of reservations this router has not seen opened yet. Replica B may release
     /// replica A's reservation and tell replica C before A's route reaches C (they travel on
     /// different streams); C remembers the release until the route arrives, or until the
@@ -35,25 +45,54 @@ pub struct PeerState {
     early_releases: FxHashMap<u64, (bool, u64)>,
     /// (forget at ms, id) in arrival order.
     early_order: VecDeque<(u64, u64)>,
+    /// Per peer, the events applied above its floor and inside the reorder window, so one
+    /// that arrives after newer ones (a retried publish) is applied, and once only.
+    #[serde(default)]
+    recent: BTreeMap<String, RecentSeqs>,
+}
+
+/// A peer's events applied above its floor (see [`PeerState`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct RecentSeqs {
+    /// The newest `at_ms` applied from the peer: the window's end.
+    newest_ms: u64,
+    /// Sequence → `at_ms` of each event applied above the floor.
+    applied: BTreeMap<u64, u64>,
 }
 
 impl PeerState {
-    /// Whether `seq` from `replica` is new; records it as the last applied if so. `None` when
+    /// Whether `seq` (stamped `at_ms` by its peer) from `replica` is new; records it as applied
+    /// if so. Events may arrive out of order inside [`PEER_REORDER_WINDOW_MS`]; one further
+    /// behind its peer's newest is taken for a redelivery. `None` when
     /// the replica would be one too many to track.
-    fn advance(&mut self, replica: &str, seq: u64) -> Option<bool> {
-        let tracked = self.last_seq.len();
-        match self.last_seq.get_mut(replica) {
-            Some(last) if seq <= *last => Some(false),
-            Some(last) => {
-                *last = seq;
-                Some(true)
+    fn advance(&mut self, replica: &str, seq: u64, at_ms: u64) -> Option<bool> {
+        if !self.applied_floor.contains_key(replica) {
+            if self.applied_floor.len() >= MAX_PEER_REPLICAS {
+                return None;
             }
-            None if tracked >= MAX_PEER_REPLICAS => None,
-            None => {
-                self.last_seq.insert(replica.to_owned(), seq);
-                Some(true)
-            }
+            self.applied_floor.insert(replica.to_owned(), 0);
         }
+        let floor = self.applied_floor.get_mut(replica)?;
+        let recent = self.recent.entry(replica.to_owned()).or_default();
+        // Below the floor, already applied, or too far behind the peer's newest to tell.
+        if seq <= *floor
+            || recent.applied.contains_key(&seq)
+            || at_ms < recent.newest_ms.saturating_sub(PEER_REORDER_WINDOW_MS)
+        {
+            return Some(false);
+        }
+        recent.applied.insert(seq, at_ms);
+        recent.newest_ms = recent.newest_ms.max(at_ms);
+        // Fold what left the window (or overflows it) into the floor, oldest first.
+        let window_start = recent.newest_ms.saturating_sub(PEER_REORDER_WINDOW_MS);
+        while let Some((&oldest, &oldest_ms)) = recent.applied.first_key_value() {
+            if oldest_ms >= window_start && recent.applied.len() <= MAX_RECENT_PER_PEER {
+                break;
+            }
+            recent.applied.pop_first();
+            *floor = (*floor).max(oldest);
+        }
+        Some(true)
     }
 
     fn remember_release(&mut self, id: u64, phase: Option<ReleasePhase>, forget_ms: u64) {
@@ -208,7 +247,11 @@ impl Router {
             report.own = true;
             return report;
         }
-        match self.state.peers.advance(&event.replica, event.seq) {
+        match self
+            .state
+            .peers
+            .advance(&event.replica, event.seq, event.at_ms)
+        {
             None => {
                 report.rejection = Some(Rejection::new(
                     RejectReason::InvalidField,

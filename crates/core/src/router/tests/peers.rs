@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::replicas::{PeerEvent, PeerEventKind, ReservationSecret};
+use crate::router::peers::PEER_REORDER_WINDOW_MS;
 
 const WORKERS: [&str; 4] = ["w0", "w1", "w2", "w3"];
 
@@ -246,6 +247,61 @@ fn peer_events_do_not_echo_and_redelivery_applies_once() {
         out.peer_event(),
         None,
         "a peer's release is not published again"
+    );
+}
+
+#[test]
+fn a_peers_events_stored_out_of_order_apply_each_once() {
+    // A publisher retries a decision while later ones are stored: the stream holds them out of
+    // order, and every one must still count on the other replicas.
+    let (mut a, mut b) = two_replicas(None, 0.2);
+    let events: Vec<PeerEvent> = (0..3)
+        .map(|i| {
+            a.advance(10);
+            event_of(&a.route(&[100 + i, 2, 3, 4]))
+        })
+        .collect();
+    for i in [2, 0, 1] {
+        let report = b.peer(&events[i]);
+        assert_eq!(
+            report,
+            PeerReport::default(),
+            "an event stored behind a later one of its peer still applies"
+        );
+    }
+    for event in &events {
+        assert!(
+            b.peer(event).duplicate,
+            "each redelivered event is skipped, whatever order they came in"
+        );
+    }
+    for w in WORKERS {
+        assert_eq!(
+            b.reserved(w),
+            a.reserved(w),
+            "the replicas agree on reserved work once every event arrived"
+        );
+    }
+}
+
+#[test]
+fn a_peers_event_far_behind_its_later_ones_is_taken_for_a_redelivery() {
+    let (mut a, mut b) = two_replicas(None, 0.2);
+    let late = event_of(&a.route(&PROMPT));
+    a.advance(PEER_REORDER_WINDOW_MS + 1_000);
+    let later = event_of(&a.route(&[50, 51, 52, 53]));
+    a.advance(1_000);
+    let latest = event_of(&a.route(&[60, 61, 62, 63]));
+    b.peer(&later);
+    b.peer(&latest);
+    assert!(
+        b.peer(&late).duplicate,
+        "an event that arrives more than the reorder window behind later ones of its peer is \
+         skipped: the peer's memory of what it applied is bounded"
+    );
+    assert!(
+        b.peer(&latest).duplicate,
+        "events inside the window are still recognised"
     );
 }
 
