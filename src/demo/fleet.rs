@@ -360,7 +360,7 @@ impl Fleet {
         self.in_flight -= 1;
         match reply {
             Reply::Released(Ok(())) => self.summary.releases += 1,
-            Reply::Released(Err(_)) => self.summary.failed_releases += 1,
+            Reply::Released(Err(e)) => self.summary.record_release_failure(e),
             Reply::Routed(id, Err(e)) => {
                 self.requests.remove(&id);
                 self.summary.record_route_failure(|| e);

@@ -335,8 +335,13 @@ async fn run_fleet(
     }
     if fleet.summary.failed_releases > 0 {
         problems.push(format!(
-            "{} releases of the daemon's own reservations were refused",
-            fleet.summary.failed_releases
+            "{} releases of the daemon's own reservations were refused; the first: {}",
+            fleet.summary.failed_releases,
+            fleet
+                .summary
+                .first_release_failure
+                .as_deref()
+                .unwrap_or("?")
         ));
     }
     if fleet.summary.routes == 0 {

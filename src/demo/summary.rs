@@ -31,9 +31,10 @@ pub struct Summary {
     ttft_s: Vec<f64>,
     /// Requests that finished on their worker.
     pub completed: u64,
-    /// Releases the daemon accepted and refused.
+    /// Releases the daemon accepted and refused, and the first refusal's reason.
     pub releases: u64,
     pub failed_releases: u64,
+    pub first_release_failure: Option<String>,
     /// What the fleet published: KV event batches and the blocks they stored and removed,
     /// load samples.
     pub kv_batches: u64,
@@ -86,6 +87,13 @@ impl Summary {
         self.failed_routes += 1;
         if self.first_route_failure.is_none() {
             self.first_route_failure = Some(reason());
+        }
+    }
+
+    pub fn record_release_failure(&mut self, reason: String) {
+        self.failed_releases += 1;
+        if self.first_release_failure.is_none() {
+            self.first_release_failure = Some(reason);
         }
     }
 
