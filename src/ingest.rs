@@ -326,7 +326,7 @@ async fn run_jetstream(
     writer: WriterHandle,
     status: Arc<Status>,
 ) {
-    let js = jetstream::new(client);
+    let js = jetstream::new(client.clone());
     let (stream_config, consumer_name) = settings.feed(feed);
     let consumer_name = consumer_name.to_string();
     let consumer_status = status.consumer(feed);
@@ -337,12 +337,18 @@ async fn run_jetstream(
     let mut backoff = Duration::from_millis(100);
     // Sent once: the in-order marker that sets `caught_up` after the backlog's flush.
     let mut marker_sent = false;
+    // What this process has handed over from the durable consumer.
+    let mut order = DeliveryOrder::default();
     loop {
         let result: Result<(), String> = async {
             let stream = ensure_stream(&js, stream_config.clone()).await?;
             // The backlog to catch up with: everything the stream holds now.
             let target = stream.cached_info().state.last_sequence;
-            let consumer: jetstream::consumer::Consumer<pull::Config> = stream
+            if target < order.last_stream_seq {
+                // The broker came back with a new, shorter stream: its sequences start over.
+                order = DeliveryOrder::default();
+            }
+            let mut consumer: jetstream::consumer::Consumer<pull::Config> = stream
                 .get_or_create_consumer(
                     &consumer_name,
                     pull::Config {
@@ -356,7 +362,10 @@ async fn run_jetstream(
                 )
                 .await
                 .map_err(|e| format!("consumer {consumer_name}: {e}"))?;
-            let mut consumer = consumer;
+            // Whatever the consumer delivered and never got acknowledged for (received by a
+            // process that died, or lost in transit when a server went away) comes first.
+            consumer =
+                rewind_consumer(&client, &stream, consumer, &writer, feed, &mut order).await?;
             // A durable created by an earlier version acks explicitly; its policy cannot change
             // in place, so follow whatever it has.
             let cumulative =
@@ -406,6 +415,8 @@ async fn run_jetstream(
                                 consumer_status.live.store(true, Ordering::Release);
                             } else {
                                 draining = true;
+                                // The broker lost its state: the stream starts over too.
+                                order = DeliveryOrder::default();
                             }
                             continue;
                         }
@@ -414,7 +425,26 @@ async fn run_jetstream(
                     msg.map_err(|e| format!("message stream: {e}"))?
                 };
                 let mut backlog_done = false;
+                let mut handed_before = false;
                 if let Ok(info) = msg.info() {
+                    match order.check(info.consumer_sequence, info.stream_sequence) {
+                        Delivery::Next => {}
+                        Delivery::Handed => handed_before = true,
+                        Delivery::Lost { missing } => {
+                            // Applying this one and acknowledging it (cumulatively) would
+                            // drop the lost ones for good, and apply events out of order.
+                            metrics::counter!("kvrouted_ingest_lost_deliveries_total", "feed" => feed.name())
+                                .increment(missing);
+                            tracing::warn!(
+                                feed = feed.name(),
+                                missing,
+                                stream_seq = info.stream_sequence,
+                                "deliveries from the consumer were lost in transit (a server \
+                                 went away): delivering again from the ack floor"
+                            );
+                            return Err(LOST_DELIVERIES.to_string());
+                        }
+                    }
                     if feed == Feed::Events {
                         let lag =
                             (time::OffsetDateTime::now_utc() - info.published).as_seconds_f64();
@@ -429,7 +459,10 @@ async fn run_jetstream(
                     acker: Box::new(JetStreamAck(acker)),
                     cumulative,
                 };
-                let handed =
+                let handed = if handed_before {
+                    // Delivered again after the consumer was rewound: applied already.
+                    writer.ack_in_order(ack).await
+                } else {
                     match decode(&settings, &msg.subject, msg.headers.as_ref(), &msg.payload) {
                         Ok(Some((input, rejected))) => {
                             rejected.iter().for_each(|r| reject(r, source));
@@ -443,7 +476,8 @@ async fn run_jetstream(
                             // message is not redelivered forever.
                             writer.ack_in_order(ack).await
                         }
-                    };
+                    }
+                };
                 if handed.is_err() {
                     return Ok(());
                 }
@@ -460,6 +494,7 @@ async fn run_jetstream(
         .await;
         match result {
             Ok(()) => return,
+            Err(e) if e == LOST_DELIVERIES => {}
             Err(e) if e == Reconnected.to_string() => {
                 tracing::info!(
                     feed = feed.name(),
@@ -475,6 +510,163 @@ async fn run_jetstream(
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
+    }
+}
+
+/// Why a consumer loop starts over at once: deliveries were lost; starting over rewinds the
+/// consumer.
+const LOST_DELIVERIES: &str = "lost deliveries";
+
+/// Where a delivery stands against what this process handed over from the same consumer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Delivery {
+    /// The next message: hand it over.
+    Next,
+    /// A message handed over before (delivered again after a rewind): skip it.
+    Handed,
+    /// Deliveries before this one never arrived (a server of the cluster went away with them).
+    Lost { missing: u64 },
+}
+
+/// The order of one durable consumer's deliveries in this process. A consumer numbers every
+/// delivery (`consumer_sequence`, redeliveries included), so a skipped number is a delivery
+/// that was lost in transit. It must not be stepped over: acknowledging a later message
+/// cumulatively would acknowledge the lost one, and a KV event applied out of order is applied
+/// wrong. The consumer is rewound instead (see [`rewind_consumer`]).
+#[derive(Debug, Default)]
+struct DeliveryOrder {
+    last_consumer_seq: Option<u64>,
+    /// Every message of the stream up to here was handed over (or deliberately skipped).
+    last_stream_seq: u64,
+}
+
+impl DeliveryOrder {
+    fn check(&mut self, consumer_seq: u64, stream_seq: u64) -> Delivery {
+        if let Some(last) = self.last_consumer_seq {
+            if consumer_seq > last + 1 {
+                return Delivery::Lost {
+                    missing: consumer_seq - last - 1,
+                };
+            }
+        }
+        // A number at or below the last one: a new consumer leader numbering again; follow it.
+        self.last_consumer_seq = Some(consumer_seq);
+        if stream_seq <= self.last_stream_seq {
+            return Delivery::Handed;
+        }
+        self.last_stream_seq = stream_seq;
+        Delivery::Next
+    }
+
+    /// The consumer was created again: its numbering starts over; the stream's does not.
+    fn consumer_recreated(&mut self) {
+        self.last_consumer_seq = None;
+    }
+}
+
+/// Makes the durable consumer deliver again, in stream order, what it delivered but was never
+/// acknowledged for, before anything newer: at start (a previous process died with them) and
+/// whenever deliveries were lost. JetStream alone would redeliver those only after `ack_wait`,
+/// behind newer messages whose cumulative ack would cover them, and a replica would call itself
+/// caught up without them. First everything handed over is journaled and acknowledged, so no
+/// ack meant for the old consumer reaches the new one past its start; then the consumer is
+/// rewound to its ack floor ([`rewind_to_ack_floor`]), and this process's delivery order
+/// follows the new consumer's numbering.
+async fn rewind_consumer(
+    client: &async_nats::Client,
+    stream: &stream::Stream,
+    consumer: jetstream::consumer::Consumer<pull::Config>,
+    writer: &WriterHandle,
+    feed: Feed,
+    order: &mut DeliveryOrder,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, String> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    writer
+        .ack_in_order(Ack {
+            acker: Box::new(Drained(std::sync::Mutex::new(Some(tx)))),
+            cumulative: false,
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    rx.await
+        .map_err(|_| "the journal stopped before the handed-over messages were acknowledged")?;
+    client.flush().await.map_err(|e| format!("flush: {e}"))?;
+    let name = consumer
+        .cached_info()
+        .config
+        .durable_name
+        .clone()
+        .unwrap_or_default();
+    match rewind_to_ack_floor(stream, &name).await? {
+        None => Ok(consumer),
+        Some((from, unacked)) => {
+            tracing::warn!(
+                feed = feed.name(),
+                consumer = name,
+                unacked,
+                from_stream_seq = from,
+                "rewound the consumer: its unacknowledged messages are delivered again, in order"
+            );
+            metrics::counter!("kvrouted_ingest_rewinds_total", "feed" => feed.name()).increment(1);
+            order.consumer_recreated();
+            stream
+                .get_consumer(&name)
+                .await
+                .map_err(|e| format!("consumer {name}: {e}"))
+        }
+    }
+}
+
+/// Recreates durable consumer `name` of `stream` with its settings, starting after its ack
+/// floor, when it delivered messages that were never acknowledged: they are delivered again at
+/// once and in order. Each replica owns its durable consumers, so nobody else reads from them.
+/// A stream whose retention is not `limits` (interest or work queue) could drop messages while
+/// the consumer is gone, so it is left alone. `Some((first stream sequence delivered again,
+/// how many were unacknowledged))` when it rewound.
+pub async fn rewind_to_ack_floor(
+    stream: &stream::Stream,
+    name: &str,
+) -> Result<Option<(u64, usize)>, String> {
+    let retention = stream
+        .get_info()
+        .await
+        .map_err(|e| e.to_string())?
+        .config
+        .retention;
+    let info = stream
+        .consumer_info(name)
+        .await
+        .map_err(|e| format!("consumer {name}: {e}"))?;
+    if info.num_ack_pending == 0 || retention != stream::RetentionPolicy::Limits {
+        return Ok(None);
+    }
+    let from = info.ack_floor.stream_sequence + 1;
+    let mut config = info.config.clone();
+    config.deliver_policy = jetstream::consumer::DeliverPolicy::ByStartSequence {
+        start_sequence: from,
+    };
+    stream
+        .delete_consumer(name)
+        .await
+        .map_err(|e| format!("delete: {e}"))?;
+    stream
+        .create_consumer(config)
+        .await
+        .map_err(|e| format!("recreate: {e}"))?;
+    Ok(Some((from, info.num_ack_pending)))
+}
+
+/// Acknowledged once everything handed over before it is journaled, flushed and acknowledged.
+struct Drained(std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>);
+
+impl Acknowledge for Drained {
+    fn ack(&self) -> AckFuture<'_> {
+        Box::pin(async move {
+            if let Some(tx) = self.0.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+            Ok(())
+        })
     }
 }
 
@@ -604,6 +796,44 @@ mod tests {
             "a dotted worker token is passed on to be rejected by the id rule"
         );
         assert!(parse_subject("kv", "other.events.w").is_err());
+    }
+
+    #[test]
+    fn a_skipped_delivery_number_is_a_lost_delivery_and_nothing_after_it_is_handed_over() {
+        let mut order = DeliveryOrder::default();
+        assert_eq!(order.check(1, 10), Delivery::Next);
+        assert_eq!(order.check(2, 11), Delivery::Next);
+        assert_eq!(
+            order.check(5, 14),
+            Delivery::Lost { missing: 2 },
+            "deliveries 3 and 4 never arrived: 5 must wait for them"
+        );
+        assert_eq!(
+            order.check(5, 14),
+            Delivery::Lost { missing: 2 },
+            "a lost delivery does not advance the order"
+        );
+    }
+
+    #[test]
+    fn after_a_rewind_messages_handed_over_before_are_skipped_and_the_rest_follow_in_order() {
+        let mut order = DeliveryOrder::default();
+        for (cseq, sseq) in [(1, 10), (2, 11), (3, 12)] {
+            assert_eq!(order.check(cseq, sseq), Delivery::Next);
+        }
+        order.consumer_recreated();
+        assert_eq!(
+            order.check(1, 11),
+            Delivery::Handed,
+            "the recreated consumer starts at the ack floor: handed over already"
+        );
+        assert_eq!(order.check(2, 12), Delivery::Handed);
+        assert_eq!(order.check(3, 13), Delivery::Next, "then the first new one");
+        assert_eq!(
+            order.check(4, 12),
+            Delivery::Handed,
+            "a redelivery after ack_wait (a new delivery number, an old message) is skipped"
+        );
     }
 
     fn settings() -> IngestSettings {

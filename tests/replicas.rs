@@ -242,7 +242,7 @@ async fn losing_a_server_mid_burst_and_a_replica_loses_nothing_and_the_restarted
     let mut c = start_replica(&cluster, 2, "rc").await;
     let mut publisher = BurstPublisher::connect(&cluster.url(1), "w").await;
     let worker = Worker::connect(&cluster.url(2), "w").await;
-    worker.load(0.3).await;
+    load_everywhere(&worker, 0.3, &[&a, &b, &c]).await;
 
     // A burst of events, with routes through replica a; a third of the way in, the server that
     // replica a reads from is killed.

@@ -260,12 +260,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         None => tracing::info!("running alone (no --replica-id): decisions are not shared"),
     }
 
-    // Resume the streams where the journal stands, before ingest starts (and while `/readyz`
-    // still says recovering). Only now that this process holds the data dir's lock.
-    if !args.no_jetstream {
-        rewind_consumer(&client, &args.stream, &args.consumer, fresh).await;
+    // A new data dir reads the streams from their start, before ingest starts (and while
+    // `/readyz` still says recovering). Only now that this process holds the data dir's lock.
+    if !args.no_jetstream && fresh {
+        forget_consumer_of_an_earlier_data_dir(&client, &args.stream, &args.consumer).await;
         if let Some(consumer) = args.decisions_consumer() {
-            rewind_consumer(&client, &args.decisions_stream(), &consumer, fresh).await;
+            forget_consumer_of_an_earlier_data_dir(&client, &args.decisions_stream(), &consumer)
+                .await;
         }
     }
     // Hand the socket over: the recovering server stops accepting (connections arriving
@@ -427,31 +428,26 @@ fn exit_storage_fault(reason: &str) -> ! {
     std::process::exit(i32::from(EXIT_STORAGE_FAULT))
 }
 
-/// Rewinds our durable consumer to its ack floor when a previous process left messages
-/// delivered but unacked (a crash, or a stop between a flush and its acks).
-///
-/// JetStream would redeliver those only after the consumer's `ack_wait`; until then the index
-/// would miss them even though everything after them is applied. Each replica owns its durable
-/// consumer, so nobody else reads from it: recreating it with the same settings, starting after
-/// the last acked (hence durably journaled) message, redelivers them now. Redelivered batches
-/// that were journaled after all are skipped by their `Kv-Seq`. A stream whose retention is not
-/// `limits` (interest or work queue) could drop messages while the consumer is gone, so it is
-/// left alone. Any failure leaves the consumer as it was; ingest then starts as usual.
-///
-/// With a `fresh` data dir (nothing journaled yet: a new replica, or one whose dir was lost) a
-/// durable consumer left by an earlier incarnation would resume after messages this journal
-/// never held; it is deleted, and ingest creates it again from the start of the stream.
-async fn rewind_consumer(client: &async_nats::Client, stream: &str, consumer: &str, fresh: bool) {
+/// With a `fresh` data dir (nothing journaled yet: a new replica, or one whose dir was lost),
+/// deletes the durable consumer an earlier incarnation left: it would resume after messages
+/// this journal never held. Ingest then creates it again from the start of the stream. (A
+/// consumer left with unacknowledged messages by a process that died is rewound by ingest
+/// itself: `ingest::rewind_to_ack_floor`.) Any failure leaves the consumer as it was.
+async fn forget_consumer_of_an_earlier_data_dir(
+    client: &async_nats::Client,
+    stream: &str,
+    consumer: &str,
+) {
     use async_nats::connection::State;
-    use async_nats::jetstream::{self, consumer::DeliverPolicy, stream::RetentionPolicy};
+    use async_nats::jetstream;
     // Only with the broker reachable now: a daemon started while NATS is down must not wait.
     let connecting = Instant::now();
     while client.connection_state() != State::Connected {
         if connecting.elapsed() > Duration::from_secs(1) {
             tracing::warn!(
                 consumer,
-                "NATS not connected at start: the JetStream consumer is not rewound; messages a \
-                 previous process left unacked come back after ack_wait"
+                "NATS not connected at start: a durable consumer an earlier data dir left is \
+                 kept, and the stream is read from where it stands"
             );
             return;
         }
@@ -459,66 +455,33 @@ async fn rewind_consumer(client: &async_nats::Client, stream: &str, consumer: &s
     }
     let attempt = async {
         let js = jetstream::new(client.clone());
-        let Ok(mut stream) = js.get_stream(stream).await else {
-            return Ok(None); // first start: ingest creates it
+        let Ok(stream) = js.get_stream(stream).await else {
+            return Ok(false); // first start: ingest creates it
         };
-        let retention = stream
-            .info()
-            .await
-            .map_err(|e| e.to_string())?
-            .config
-            .retention;
-        let Ok(info) = stream.consumer_info(consumer).await else {
-            return Ok(None);
-        };
-        if fresh {
-            if info.delivered.stream_sequence == 0 {
-                return Ok(None);
-            }
-            stream
-                .delete_consumer(consumer)
-                .await
-                .map_err(|e| format!("delete: {e}"))?;
-            tracing::info!(
-                consumer,
-                "the data dir is new: deleted the durable consumer an earlier data dir left, so \
-                 the stream is read from its start"
-            );
-            return Ok(None);
+        match stream.consumer_info(consumer).await {
+            Ok(info) if info.delivered.stream_sequence > 0 => {}
+            _ => return Ok(false),
         }
-        if info.num_ack_pending == 0 || retention != RetentionPolicy::Limits {
-            return Ok(None);
-        }
-        let from = info.ack_floor.stream_sequence + 1;
-        let mut config = info.config.clone();
-        config.deliver_policy = DeliverPolicy::ByStartSequence {
-            start_sequence: from,
-        };
         stream
             .delete_consumer(consumer)
             .await
             .map_err(|e| format!("delete: {e}"))?;
-        stream
-            .create_consumer(config)
-            .await
-            .map_err(|e| format!("recreate: {e}"))?;
-        Ok::<_, String>(Some((from, info.num_ack_pending)))
+        Ok::<_, String>(true)
     };
     match tokio::time::timeout(Duration::from_secs(10), attempt).await {
-        Ok(Ok(Some((from, unacked)))) => tracing::info!(
+        Ok(Ok(true)) => tracing::info!(
             consumer,
-            from_stream_seq = from,
-            unacked,
-            "rewound the JetStream consumer to its ack floor: unacked messages are redelivered now"
+            "the data dir is new: deleted the durable consumer an earlier data dir left, so the \
+             stream is read from its start"
         ),
-        Ok(Ok(None)) => {}
+        Ok(Ok(false)) => {}
         Ok(Err(e)) => tracing::warn!(
             consumer,
-            "could not rewind the JetStream consumer (unacked messages come back after ack_wait): {e}"
+            "could not delete the durable consumer an earlier data dir left: {e}"
         ),
         Err(_) => tracing::warn!(
             consumer,
-            "timed out rewinding the JetStream consumer; unacked messages come back after ack_wait"
+            "timed out deleting the durable consumer an earlier data dir left"
         ),
     }
 }
