@@ -77,7 +77,10 @@ impl Gateway {
         );
         let mut builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(10));
+            .timeout(Duration::from_secs(10))
+            // Below the daemon's idle timeout (`--http-idle-timeout`, 30s by default): a pooled
+            // connection the daemon is closing would fail the request sent on it.
+            .pool_idle_timeout(Duration::from_secs(15));
         if let Some(pem) = &auth.ca_pem {
             let ca = reqwest::Certificate::from_pem(pem)
                 .context("--daemon-ca: not a PEM certificate")?;

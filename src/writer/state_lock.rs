@@ -26,6 +26,9 @@ const SPIN_ON_RUNTIME_THREAD: Duration = Duration::from_micros(200);
 pub struct StateLock<T> {
     state: Mutex<Option<T>>,
     gateway_waiting: AtomicUsize,
+    /// Times ingest stood aside for a waiting gateway caller (what the tests watch).
+    #[cfg(test)]
+    stood_aside: AtomicUsize,
 }
 
 /// Counts a waiting gateway caller for as long as it lives.
@@ -49,6 +52,8 @@ impl<T> StateLock<T> {
         StateLock {
             state: Mutex::new(Some(state)),
             gateway_waiting: AtomicUsize::new(0),
+            #[cfg(test)]
+            stood_aside: AtomicUsize::new(0),
         }
     }
 
@@ -75,6 +80,8 @@ impl<T> StateLock<T> {
     pub fn ingest<R>(&self, f: impl FnOnce(&mut T) -> R) -> Result<R, WriterGone> {
         loop {
             while self.gateway_waiting() > 0 {
+                #[cfg(test)]
+                self.stood_aside.fetch_add(1, Ordering::AcqRel);
                 std::thread::yield_now();
             }
             let mut guard = self.lock()?;
@@ -182,8 +189,10 @@ mod tests {
         let waiting = GatewayWaiting::register(&lock.gateway_waiting);
         std::thread::scope(|s| {
             let ingest = s.spawn(|| lock.ingest(|n| *n += 1));
-            // Ingest cannot apply while the gateway caller waits.
-            std::thread::sleep(Duration::from_millis(20));
+            // Ingest cannot apply while the gateway caller waits: let it try many times.
+            wait_until("ingest stood aside 1,000 times", || {
+                lock.stood_aside.load(Ordering::Acquire) >= 1_000
+            });
             assert_eq!(
                 *lock.state.lock().unwrap(),
                 Some(0),
