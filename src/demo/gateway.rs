@@ -4,10 +4,12 @@
 //! the bearer tokens (`route` scope for routes and releases, `read` for workers and metrics)
 //! and, for an HTTPS daemon, the CA certificate to trust.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
 
 /// What `POST /v1/route` is sent.
 #[derive(Debug, Clone, Serialize)]
@@ -48,10 +50,17 @@ struct Readiness {
     status: String,
 }
 
+/// Most routes and releases a [`Gateway`] has under way at once.
+const MAX_IN_FLIGHT: usize = 64;
+
 /// An HTTP client of one daemon.
 #[derive(Debug, Clone)]
 pub struct Gateway {
     client: reqwest::Client,
+    /// Requests under way at once, as a gateway's connection pool bounds them: without it the
+    /// demo's stop (one release per queued request) opens more connections than the daemon's
+    /// `--max-connections`, whose surplus it resets.
+    in_flight: Arc<Semaphore>,
     base: String,
     /// Bearer tokens for the `route` and `read` scopes, when the API asks for them.
     route_token: Option<String>,
@@ -91,6 +100,7 @@ impl Gateway {
         let client = builder.build().context("building the HTTP client")?;
         Ok(Gateway {
             client,
+            in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
             base,
             route_token: auth.route_token,
             read_token: auth.read_token,
@@ -134,12 +144,13 @@ impl Gateway {
 
     /// `POST /v1/route`; an error is one line naming the status and the daemon's message.
     pub async fn route(&self, body: &RouteBody<'_>) -> Result<RouteReply, String> {
+        let _slot = self.in_flight.acquire().await.expect("never closed");
         let reply = self
             .request(reqwest::Method::POST, "/v1/route")
             .json(body)
             .send()
             .await
-            .map_err(|e| format!("POST /v1/route: {e}"))?;
+            .map_err(|e| format!("POST /v1/route: {:#}", anyhow::Error::new(e)))?;
         let status = reply.status();
         if !status.is_success() {
             let text = reply.text().await.unwrap_or_default();
@@ -153,12 +164,13 @@ impl Gateway {
 
     /// `POST /v1/release` of a whole reservation.
     pub async fn release(&self, reservation: u64) -> Result<(), String> {
+        let _slot = self.in_flight.acquire().await.expect("never closed");
         let reply = self
             .request(reqwest::Method::POST, "/v1/release")
             .json(&serde_json::json!({ "reservation": reservation }))
             .send()
             .await
-            .map_err(|e| format!("POST /v1/release: {e}"))?;
+            .map_err(|e| format!("POST /v1/release: {:#}", anyhow::Error::new(e)))?;
         let status = reply.status();
         if status.is_success() {
             Ok(())

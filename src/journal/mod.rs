@@ -37,6 +37,11 @@ pub const SCHEMA_VERSION: u32 = 2;
 /// Snapshots kept; journal retention never drops entries the oldest of them needs.
 const SNAPSHOTS_KEPT: usize = 2;
 
+/// sled's page cache. Its default (1 GiB) let the resident memory grow with the journal for the
+/// whole retention window; the journal is appended and read back only at recovery or replay, so
+/// a small cache costs nothing on the route path.
+const CACHE_BYTES: u64 = 128 << 20;
+
 /// One journaled input and, for routes, the decision it produced (for `replay --verify`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JournalEntry {
@@ -201,6 +206,7 @@ impl Journal {
         let db = sled::Config::new()
             .path(dir)
             .mode(sled::Mode::HighThroughput)
+            .cache_capacity(CACHE_BYTES)
             .open()
             .map_err(|e| open_error(dir, e))?;
         let meta = db.open_tree("meta")?;
