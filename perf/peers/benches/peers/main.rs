@@ -227,7 +227,9 @@ fn replay<S: Subject>(stream: &Stream) -> Rep {
                         );
                         got == expect
                     }
-                    Answer::MaxDepth(d) => d == max_depth,
+                    Answer::MaxDepth { matched, threshold } => {
+                        max_depth < threshold || matched == max_depth
+                    }
                 };
                 if !ok {
                     mismatches += 1;

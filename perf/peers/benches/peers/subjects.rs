@@ -30,8 +30,10 @@ use kv_index::{ChainBlockMap, ChainIndex, SequenceHash};
 pub(crate) enum Answer {
     /// Per-worker depths, written into the caller's buffer.
     Depths,
-    /// Only the deepest match is visible (the Router's decision).
-    MaxDepth(u32),
+    /// Only the deepest match is visible (the Router's decision). A match shorter than the
+    /// policy's match threshold does not count as one (the decision is a cold miss), so only a
+    /// deepest match at or above it is checked.
+    MaxDepth { matched: u32, threshold: u32 },
 }
 
 pub(crate) trait Subject {
@@ -158,7 +160,10 @@ impl<const KEYS_GIVEN: bool> Subject for Kvrouted<KEYS_GIVEN> {
                 local: l,
             }));
         let t = now();
-        black_box(self.index.store(worker, 0, parent, &self.blocks));
+        // The parent arrives as the engine's hash; the index chains on its block key, which the
+        // router looks up among the worker's blocks (timed: the peers resolve it inside).
+        let parent_key = parent.and_then(|p| self.index.key_of(worker, 0, p));
+        black_box(self.index.store(worker, 0, parent_key, &self.blocks));
         ns_since(t)
     }
 
@@ -693,7 +698,12 @@ impl Subject for FullRouter {
                 0
             }
         };
-        (ns, Answer::MaxDepth(matched))
+        let threshold = self
+            .router
+            .config()
+            .policy
+            .match_threshold(locals.len());
+        (ns, Answer::MaxDepth { matched, threshold })
     }
 
     fn notes(&self) -> String {
