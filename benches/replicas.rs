@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrouted::wire::{encode_vllm_batch, VllmEvent};
-use kvrouted_testkit::{prompt, Daemon, NatsCluster, Worker};
+use kvrouted::wire::encode_vllm_batch;
+use kvrouted_testkit::{gpu_blocks_stored, prompt, Daemon, NatsCluster, Worker};
 use serde_json::json;
 
 const WORKERS: u32 = 64;
@@ -65,28 +65,8 @@ fn options() -> Options {
     o
 }
 
-fn replica_flags(name: &str) -> Vec<String> {
-    [
-        "--replica-id",
-        name,
-        "--consumer",
-        &format!("kvrouted-{name}"),
-        "--stream-replicas",
-        "3",
-        "--log-format",
-        "json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
 async fn start_replica(url: &str, name: &str) -> Daemon {
-    let flags = replica_flags(name);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let d = Daemon::start(url, &flags).await;
-    d.wait_ready().await;
-    d
+    Daemon::start_replica(url, name, &["--log-format", "json"]).await
 }
 
 /// Routes prompts of the workers' prefixes for `seconds` at `concurrency`, spread round robin
@@ -229,20 +209,8 @@ async fn failover(cluster: &mut NatsCluster, a: &Daemon) {
                 seq += 1;
                 // One block of its own per batch.
                 let tokens = vec![seq as u32; 16];
-                let payload: bytes::Bytes = encode_vllm_batch(
-                    1.0,
-                    &[VllmEvent::BlockStored {
-                        block_hashes: vec![seq],
-                        parent_block_hash: None,
-                        token_ids: tokens,
-                        block_size: 16,
-                        lora_id: None,
-                        medium: Some("GPU".into()),
-                        lora_name: None,
-                    }],
-                    None,
-                )
-                .into();
+                let payload: bytes::Bytes =
+                    encode_vllm_batch(1.0, &[gpu_blocks_stored(vec![seq], tokens)], None).into();
                 let started = Instant::now();
                 loop {
                     let mut headers = async_nats::HeaderMap::new();

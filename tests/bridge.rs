@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer};
 use common::{
-    eventually, free_port, kvrouted_command, metric_at, prompt, Daemon, Nats, Process, DEADLINE,
+    eventually, free_port, gpu_blocks_stored, kvrouted_command, metric_at, prompt, Daemon, Nats,
+    Process, DEADLINE,
 };
 use futures::StreamExt;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
@@ -139,17 +140,12 @@ fn store(seed: u32, blocks: usize) -> Vec<u8> {
     let tokens = prompt(seed, blocks);
     encode_vllm_batch(
         1.0 + seed as f64,
-        &[VllmEvent::BlockStored {
-            block_hashes: (0..blocks as u64)
+        &[gpu_blocks_stored(
+            (0..blocks as u64)
                 .map(|i| u64::from(seed) * 1_000 + i + 1)
                 .collect(),
-            parent_block_hash: None,
-            token_ids: tokens,
-            block_size: 16,
-            lora_id: None,
-            medium: Some("GPU".into()),
-            lora_name: None,
-        }],
+            tokens,
+        )],
         None,
     )
 }

@@ -9,33 +9,12 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use kvrouted::wire::{encode_vllm_batch, VllmEvent};
+use kvrouted::wire::encode_vllm_batch;
 use serde_json::{json, Value};
-
-/// Flags of replica `name` on a 3-server cluster.
-fn replica_flags(name: &str) -> Vec<String> {
-    [
-        "--replica-id",
-        name,
-        "--consumer",
-        &format!("kvrouted-{name}"),
-        "--stream-replicas",
-        "3",
-        "--spill-cooldown",
-        "60s",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
 
 /// Starts replica `name` connected to server `server` of the cluster; waits until it is ready.
 async fn start_replica(cluster: &NatsCluster, server: usize, name: &str) -> Daemon {
-    let flags = replica_flags(name);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let daemon = Daemon::start(&cluster.url(server), &flags).await;
-    daemon.wait_ready().await;
-    daemon
+    Daemon::start_replica(&cluster.url(server), name, &["--spill-cooldown", "60s"]).await
 }
 
 fn decided(body: &Value) -> (&str, &str) {
@@ -199,15 +178,7 @@ impl BurstPublisher {
         self.next_hash += blocks as u64;
         let payload: bytes::Bytes = encode_vllm_batch(
             1.0,
-            &[VllmEvent::BlockStored {
-                block_hashes: hashes,
-                parent_block_hash: None,
-                token_ids: tokens[..blocks * 16].to_vec(),
-                block_size: 16,
-                lora_id: None,
-                medium: Some("GPU".into()),
-                lora_name: None,
-            }],
+            &[gpu_blocks_stored(hashes, tokens[..blocks * 16].to_vec())],
             None,
         )
         .into();

@@ -135,6 +135,24 @@ impl Daemon {
         d
     }
 
+    /// Starts replica `name` sharing decisions on a 3-server cluster (its own durable
+    /// consumer, the streams at 3 replicas) with a fresh data dir; waits until it is ready.
+    pub async fn start_replica(nats_url: &str, name: &str, extra: &[&str]) -> Daemon {
+        let consumer = format!("kvrouted-{name}");
+        let mut flags = vec![
+            "--replica-id",
+            name,
+            "--consumer",
+            &consumer,
+            "--stream-replicas",
+            "3",
+        ];
+        flags.extend_from_slice(extra);
+        let daemon = Daemon::start(nats_url, &flags).await;
+        daemon.wait_ready().await;
+        daemon
+    }
+
     /// A daemon with a fresh data dir and HTTP port, not started yet: adjust `env`,
     /// `pass_http_addr`, `http` or `data_dir`, then [`Daemon::restart`].
     pub fn new(nats_url: &str, extra: &[&str]) -> Daemon {

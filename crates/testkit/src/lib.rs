@@ -45,4 +45,4 @@ pub use poll::{eventually, DEADLINE};
 #[cfg(feature = "processes")]
 pub use processes::{free_port, nats_server_bin, wait_for_port, Process};
 #[cfg(feature = "processes")]
-pub use worker::{consumer_settled, prompt, OwnerAndOther, Worker};
+pub use worker::{consumer_settled, gpu_blocks_stored, prompt, OwnerAndOther, Worker};

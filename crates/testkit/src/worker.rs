@@ -7,6 +7,20 @@ use kvrouted_core::wire::{encode_lifecycle, encode_load, encode_vllm_batch, Vllm
 use crate::daemon::Daemon;
 use crate::poll::eventually;
 
+/// A vLLM `BlockStored` event of 16-token blocks in GPU memory, chained from the start of the
+/// prompt: `token_ids` holds every block's tokens, one engine hash per block.
+pub fn gpu_blocks_stored(block_hashes: Vec<u64>, token_ids: Vec<u32>) -> VllmEvent {
+    VllmEvent::BlockStored {
+        block_hashes,
+        parent_block_hash: None,
+        token_ids,
+        block_size: 16,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+    }
+}
+
 /// Tokens of a prompt of `blocks` full 16-token blocks, distinct per `seed`.
 pub fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
     (0..blocks as u32 * 16)
@@ -71,16 +85,8 @@ impl Worker {
         let hashes: Vec<u64> = (0..n as u64)
             .map(|i| self.engine_hash(tokens, i as usize))
             .collect();
-        self.publish_events(&[VllmEvent::BlockStored {
-            block_hashes: hashes.clone(),
-            parent_block_hash: None,
-            token_ids: tokens[..n * 16].to_vec(),
-            block_size: 16,
-            lora_id: None,
-            medium: Some("GPU".into()),
-            lora_name: None,
-        }])
-        .await;
+        self.publish_events(&[gpu_blocks_stored(hashes.clone(), tokens[..n * 16].to_vec())])
+            .await;
         hashes
     }
 
