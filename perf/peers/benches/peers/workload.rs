@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use dynamo_kv_router::protocols::{compute_next_seq_hash, LocalBlockHash};
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
@@ -44,8 +45,17 @@ pub(crate) fn content_hash(id: u64) -> u64 {
     mix(id ^ 0x00c0_ffee_0000_0001)
 }
 
-pub(crate) fn engine_hash(id: u64) -> u64 {
-    mix(id ^ 0x0e61_6e00_0000_0002)
+/// A block's engine hash: Dynamo's sequence hash of its prefix (the first block's is its local
+/// hash, each next one `compute_next_seq_hash(parent, local)`), as engines publish for Dynamo.
+/// Dynamo's `PositionalIndexer` checks stored hashes against the ones it computes from a
+/// request, so any other engine hash never matches there; the other indexes take it as opaque.
+/// The trace's block ids are prefix ids (an id always follows the same parent), so an id has
+/// one engine hash.
+fn engine_hash(parent: Option<u64>, local: u64) -> u64 {
+    match parent {
+        None => local,
+        Some(p) => compute_next_seq_hash(p, LocalBlockHash(local)),
+    }
 }
 
 /// Fingerprint of a lookup's answer: the (worker, depth) pairs with depth > 0, by worker.
@@ -110,6 +120,8 @@ pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup:
         mean_max_depth: 0.0,
     };
     let mut holders: FxHashMap<u64, SmallVec<[u32; 4]>> = FxHashMap::default();
+    // Block id → engine hash.
+    let mut engines: FxHashMap<u64, u64> = FxHashMap::default();
     // Per worker: LRU order (stamp → block) and each held block's stamp.
     let mut lru: Vec<BTreeMap<u64, u64>> = vec![BTreeMap::new(); workers];
     let mut stamps: Vec<FxHashMap<u64, u64>> = vec![FxHashMap::default(); workers];
@@ -127,7 +139,14 @@ pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup:
             let ids: Vec<u64> = req.iter().map(|&h| h | (tenant << 40)).collect();
             let start = s.locals.len() as u32;
             s.locals.extend(ids.iter().map(|&id| content_hash(id)));
-            s.engines.extend(ids.iter().map(|&id| engine_hash(id)));
+            let mut parent = None;
+            for &id in &ids {
+                let engine = *engines.entry(id).or_insert_with(|| {
+                    engine_hash(parent, content_hash(id))
+                });
+                s.engines.push(engine);
+                parent = Some(engine);
+            }
 
             // The answer: per worker, the consecutive prefix it holds.
             for &w in &matched {
@@ -196,7 +215,7 @@ pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup:
                 if hs.is_empty() {
                     holders.remove(&id);
                 }
-                s.removed.push(engine_hash(id));
+                s.removed.push(engines[&id]);
             }
             let evicted = s.removed.len() as u32 - removed_start;
             if evicted > 0 {
