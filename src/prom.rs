@@ -27,6 +27,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use crate::input::{RejectReason, Rejection};
 use crate::policy::DecisionLabel;
 use crate::router::{Output, Router};
+use crate::status::Feed;
 
 /// Installs the Prometheus recorder and pre-registers every bounded label so dashboards see
 /// zeros rather than missing series.
@@ -62,9 +63,9 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     counter!("kvrouted_engine_restarts_total").absolute(0);
     counter!("kvrouted_departed_inputs_total").absolute(0);
     counter!("kvrouted_nats_reconnects_total").absolute(0);
-    for feed in ["events", "decisions"] {
-        counter!("kvrouted_ingest_lost_deliveries_total", "feed" => feed).absolute(0);
-        counter!("kvrouted_ingest_rewinds_total", "feed" => feed).absolute(0);
+    for feed in [Feed::Events, Feed::Decisions] {
+        counter!("kvrouted_ingest_lost_deliveries_total", "feed" => feed.name()).absolute(0);
+        counter!("kvrouted_ingest_rewinds_total", "feed" => feed.name()).absolute(0);
     }
     counter!("kvrouted_journal_errors_total").absolute(0);
     counter!("kvrouted_journal_fault_refusals_total").absolute(0);

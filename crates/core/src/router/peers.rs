@@ -63,8 +63,8 @@ struct RecentSeqs {
 impl PeerState {
     /// Whether `seq` (stamped `at_ms` by its peer) from `replica` is new; records it as applied
     /// if so. Events may arrive out of order inside [`PEER_REORDER_WINDOW_MS`]; one further
-    /// behind its peer's newest is taken for a redelivery. `None` when
-    /// the replica would be one too many to track.
+    /// behind its peer's newest is taken for a redelivery. `None` when the replica would be one
+    /// too many to track.
     fn advance(&mut self, replica: &str, seq: u64, at_ms: u64) -> Option<bool> {
         if !self.applied_floor.contains_key(replica) {
             if self.applied_floor.len() >= MAX_PEER_REPLICAS {
@@ -72,8 +72,13 @@ impl PeerState {
             }
             self.applied_floor.insert(replica.to_owned(), 0);
         }
+        // Keyed by name like the floors; the name is copied only for a peer's first event.
+        if !self.recent.contains_key(replica) {
+            self.recent
+                .insert(replica.to_owned(), RecentSeqs::default());
+        }
         let floor = self.applied_floor.get_mut(replica)?;
-        let recent = self.recent.entry(replica.to_owned()).or_default();
+        let recent = self.recent.get_mut(replica)?;
         // Below the floor, already applied, or too far behind the peer's newest to tell.
         if seq <= *floor
             || recent.applied.contains_key(&seq)
