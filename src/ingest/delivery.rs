@@ -1,0 +1,91 @@
+//! The order of one durable consumer's deliveries in this process.
+
+/// Where a delivery stands against what this process handed over from the same consumer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Delivery {
+    /// The next message: hand it over.
+    Next,
+    /// A message handed over before (delivered again after a rewind): skip it.
+    Handed,
+    /// Deliveries before this one never arrived (a server of the cluster went away with them).
+    Lost { missing: u64 },
+}
+
+/// The order of one durable consumer's deliveries in this process. A consumer numbers every
+/// delivery (`consumer_sequence`, redeliveries included), so a skipped number is a delivery
+/// that was lost in transit. It must not be stepped over: acknowledging a later message
+/// cumulatively would acknowledge the lost one, and a KV event applied out of order is applied
+/// wrong. The consumer is rewound instead (see `jetstream::rewind_consumer`).
+#[derive(Debug, Default)]
+pub(super) struct DeliveryOrder {
+    last_consumer_seq: Option<u64>,
+    /// Every message of the stream up to here was handed over (or deliberately skipped).
+    pub(super) last_stream_seq: u64,
+}
+
+impl DeliveryOrder {
+    pub(super) fn check(&mut self, consumer_seq: u64, stream_seq: u64) -> Delivery {
+        if let Some(last) = self.last_consumer_seq {
+            if consumer_seq > last + 1 {
+                return Delivery::Lost {
+                    missing: consumer_seq - last - 1,
+                };
+            }
+        }
+        // A number at or below the last one: a new consumer leader numbering again; follow it.
+        self.last_consumer_seq = Some(consumer_seq);
+        if stream_seq <= self.last_stream_seq {
+            return Delivery::Handed;
+        }
+        self.last_stream_seq = stream_seq;
+        Delivery::Next
+    }
+
+    /// The consumer was created again: its numbering starts over; the stream's does not.
+    pub(super) fn consumer_recreated(&mut self) {
+        self.last_consumer_seq = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_skipped_delivery_number_is_a_lost_delivery_and_nothing_after_it_is_handed_over() {
+        let mut order = DeliveryOrder::default();
+        assert_eq!(order.check(1, 10), Delivery::Next);
+        assert_eq!(order.check(2, 11), Delivery::Next);
+        assert_eq!(
+            order.check(5, 14),
+            Delivery::Lost { missing: 2 },
+            "deliveries 3 and 4 never arrived: 5 must wait for them"
+        );
+        assert_eq!(
+            order.check(5, 14),
+            Delivery::Lost { missing: 2 },
+            "a lost delivery does not advance the order"
+        );
+    }
+
+    #[test]
+    fn after_a_rewind_messages_handed_over_before_are_skipped_and_the_rest_follow_in_order() {
+        let mut order = DeliveryOrder::default();
+        for (cseq, sseq) in [(1, 10), (2, 11), (3, 12)] {
+            assert_eq!(order.check(cseq, sseq), Delivery::Next);
+        }
+        order.consumer_recreated();
+        assert_eq!(
+            order.check(1, 11),
+            Delivery::Handed,
+            "the recreated consumer starts at the ack floor: handed over already"
+        );
+        assert_eq!(order.check(2, 12), Delivery::Handed);
+        assert_eq!(order.check(3, 13), Delivery::Next, "then the first new one");
+        assert_eq!(
+            order.check(4, 12),
+            Delivery::Handed,
+            "a redelivery after ack_wait (a new delivery number, an old message) is skipped"
+        );
+    }
+}
