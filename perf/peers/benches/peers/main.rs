@@ -163,34 +163,38 @@ struct Rep {
 /// between, so the event threads are never held up by the checks).
 fn bulk_events<S: Subject>(stream: &Stream) -> u64 {
     let mut subject = S::new(stream.workers);
-    let mut ns = 0;
-    for op in &stream.ops {
-        match *op {
-            Op::Lookup { .. } => {}
-            Op::Store {
-                worker,
-                start,
-                skip,
-                len,
-            } => {
-                let (from, to) = ((start + skip) as usize, (start + len) as usize);
-                let parent = (skip > 0).then(|| stream.engines[from - 1]);
-                ns += subject.store(
-                    worker,
-                    parent,
-                    &stream.locals[from..to],
-                    &stream.engines[from..to],
-                );
-            }
-            Op::Remove { worker, start, len } => {
-                ns += subject.remove(
-                    worker,
-                    &stream.removed[start as usize..(start + len) as usize],
-                );
-            }
-        }
-    }
+    let ns: u64 = stream
+        .ops
+        .iter()
+        .map(|op| apply_event(&mut subject, stream, op))
+        .sum();
     ns + subject.settle()
+}
+
+/// Applies a store or remove op to `subject`; nanoseconds it took (0 for a lookup).
+fn apply_event<S: Subject>(subject: &mut S, stream: &Stream, op: &Op) -> u64 {
+    match *op {
+        Op::Lookup { .. } => 0,
+        Op::Store {
+            worker,
+            start,
+            skip,
+            len,
+        } => {
+            let (from, to) = ((start + skip) as usize, (start + len) as usize);
+            let parent = (skip > 0).then(|| stream.engines[from - 1]);
+            subject.store(
+                worker,
+                parent,
+                &stream.locals[from..to],
+                &stream.engines[from..to],
+            )
+        }
+        Op::Remove { worker, start, len } => subject.remove(
+            worker,
+            &stream.removed[start as usize..(start + len) as usize],
+        ),
+    }
 }
 
 fn replay<S: Subject>(stream: &Stream) -> Rep {
@@ -236,24 +240,8 @@ fn replay<S: Subject>(stream: &Stream) -> Rep {
                     first_mismatch.get_or_insert(n);
                 }
             }
-            Op::Store {
-                worker,
-                start,
-                skip,
-                len,
-            } => {
-                let (from, to) = ((start + skip) as usize, (start + len) as usize);
-                let parent = (skip > 0).then(|| stream.engines[from - 1]);
-                event_ns += subject.store(
-                    worker,
-                    parent,
-                    &stream.locals[from..to],
-                    &stream.engines[from..to],
-                );
-            }
-            Op::Remove { worker, start, len } => {
-                let hashes = &stream.removed[start as usize..(start + len) as usize];
-                event_ns += subject.remove(worker, hashes);
+            Op::Store { .. } | Op::Remove { .. } => {
+                event_ns += apply_event(&mut subject, stream, op);
             }
         }
     }

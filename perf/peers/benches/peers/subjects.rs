@@ -285,6 +285,24 @@ fn dynamo_removed(event_id: u64, worker: u32, engines: &[u64]) -> RouterEvent {
     )
 }
 
+/// Times one Dynamo lookup of `locals` (its result dropped inside the clock, as Dynamo pays
+/// for it) and writes its scores into `depth`.
+fn timed_dynamo_lookup(
+    locals: &[u64],
+    depth: &mut [u32],
+    find: impl FnOnce(Vec<LocalBlockHash>) -> dynamo_kv_router::protocols::OverlapScores,
+) -> (u64, Answer) {
+    let sequence: Vec<LocalBlockHash> = locals.iter().map(|&l| LocalBlockHash(l)).collect();
+    let t = now();
+    let scores = find(sequence);
+    let mut ns = ns_since(t);
+    dynamo_depths(&scores, depth);
+    let t = now();
+    drop(scores);
+    ns += ns_since(t);
+    (ns, Answer::Depths)
+}
+
 /// Dynamo's match scores into the caller's per-worker depths.
 fn dynamo_depths(scores: &dynamo_kv_router::protocols::OverlapScores, depth: &mut [u32]) {
     for (w, &s) in &scores.scores {
@@ -314,15 +332,9 @@ impl Subject for Dynamo {
     }
 
     fn lookup(&mut self, locals: &[u64], depth: &mut [u32]) -> (u64, Answer) {
-        let sequence: Vec<LocalBlockHash> = locals.iter().map(|&l| LocalBlockHash(l)).collect();
-        let t = now();
-        let scores = self.tree.find_matches(sequence, false);
-        let mut ns = ns_since(t);
-        dynamo_depths(&scores, &mut *depth);
-        let t = now();
-        drop(scores);
-        ns += ns_since(t);
-        (ns, Answer::Depths)
+        timed_dynamo_lookup(locals, depth, |sequence| {
+            self.tree.find_matches(sequence, false)
+        })
     }
 
     fn errors(&self) -> u64 {
@@ -382,15 +394,9 @@ impl Subject for DynamoPositional {
     }
 
     fn lookup(&mut self, locals: &[u64], depth: &mut [u32]) -> (u64, Answer) {
-        let sequence: Vec<LocalBlockHash> = locals.iter().map(|&l| LocalBlockHash(l)).collect();
-        let t = now();
-        let scores = SyncIndexer::find_matches(&self.index, &sequence, false);
-        let mut ns = ns_since(t);
-        dynamo_depths(&scores, depth);
-        let t = now();
-        drop(scores);
-        ns += ns_since(t);
-        (ns, Answer::Depths)
+        timed_dynamo_lookup(locals, depth, |sequence| {
+            SyncIndexer::find_matches(&self.index, &sequence, false)
+        })
     }
 
     fn errors(&self) -> u64 {
@@ -469,17 +475,11 @@ impl<T: PoolBackend> Subject for DynamoPool<T> {
     }
 
     fn lookup(&mut self, locals: &[u64], depth: &mut [u32]) -> (u64, Answer) {
-        let sequence: Vec<LocalBlockHash> = locals.iter().map(|&l| LocalBlockHash(l)).collect();
-        let t = now();
         // The pool's `find_matches` runs exactly this inline on the caller's thread (no channel);
         // only its async wrapper is left out.
-        let scores = self.pool.backend().find_matches(&sequence, false);
-        let mut ns = ns_since(t);
-        dynamo_depths(&scores, depth);
-        let t = now();
-        drop(scores);
-        ns += ns_since(t);
-        (ns, Answer::Depths)
+        timed_dynamo_lookup(locals, depth, |sequence| {
+            self.pool.backend().find_matches(&sequence, false)
+        })
     }
 
     fn errors(&self) -> u64 {
@@ -698,11 +698,7 @@ impl Subject for FullRouter {
                 0
             }
         };
-        let threshold = self
-            .router
-            .config()
-            .policy
-            .match_threshold(locals.len());
+        let threshold = self.router.config().policy.match_threshold(locals.len());
         (ns, Answer::MaxDepth { matched, threshold })
     }
 

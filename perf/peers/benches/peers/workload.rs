@@ -141,9 +141,9 @@ pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup:
             s.locals.extend(ids.iter().map(|&id| content_hash(id)));
             let mut parent = None;
             for &id in &ids {
-                let engine = *engines.entry(id).or_insert_with(|| {
-                    engine_hash(parent, content_hash(id))
-                });
+                let engine = *engines
+                    .entry(id)
+                    .or_insert_with(|| engine_hash(parent, content_hash(id)));
                 s.engines.push(engine);
                 parent = Some(engine);
             }
