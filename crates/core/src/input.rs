@@ -11,9 +11,18 @@ use serde::{Deserialize, Serialize};
 
 /// A worker id: 1 to 128 characters from `A-Z a-z 0-9 _ - :` (docs/architecture.md, "Wire contract"). No dots, because a
 /// worker id is one NATS subject token.
+///
+/// Ordered as its text. The id's first 8 bytes, zero-padded, are kept beside it as a big-endian
+/// number and compared first: ids never hold a zero byte, so that number orders as the text
+/// does, and sorting a route's owners (hundreds when a prefix is shared by a large fleet)
+/// compares integers, not strings.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
-pub struct WorkerId(Arc<str>);
+pub struct WorkerId {
+    /// Field order matters: the derived order compares `prefix` first.
+    prefix: u64,
+    name: Arc<str>,
+}
 
 /// Longest accepted worker id, in characters.
 pub const MAX_WORKER_ID_LEN: usize = 128;
@@ -31,7 +40,13 @@ impl WorkerId {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b':'));
         if valid_len && valid_chars {
-            Ok(WorkerId(Arc::from(id)))
+            let mut prefix = [0u8; 8];
+            let n = id.len().min(8);
+            prefix[..n].copy_from_slice(&id.as_bytes()[..n]);
+            Ok(WorkerId {
+                prefix: u64::from_be_bytes(prefix),
+                name: Arc::from(id),
+            })
         } else {
             Err(InvalidWorkerId(
                 id.chars().take(MAX_WORKER_ID_LEN + 8).collect(),
@@ -40,19 +55,19 @@ impl WorkerId {
     }
 
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.name
     }
 }
 
 impl fmt::Debug for WorkerId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
+        fmt::Debug::fmt(&*self.name, f)
     }
 }
 
 impl fmt::Display for WorkerId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.name)
     }
 }
 
@@ -65,7 +80,7 @@ impl TryFrom<String> for WorkerId {
 
 impl From<WorkerId> for String {
     fn from(id: WorkerId) -> String {
-        id.0.to_string()
+        id.name.to_string()
     }
 }
 
@@ -406,4 +421,38 @@ pub struct Stamped {
     /// Milliseconds on the daemon's clock (Unix epoch).
     pub at_ms: u64,
     pub input: Input,
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::WorkerId;
+
+    proptest! {
+        #[test]
+        fn worker_ids_order_and_compare_as_their_text(
+            a in "[A-Za-z0-9_:-]{1,12}",
+            b in "[A-Za-z0-9_:-]{1,12}",
+        ) {
+            let (x, y) = (WorkerId::new(&a).unwrap(), WorkerId::new(&b).unwrap());
+            prop_assert_eq!(x.cmp(&y), a.cmp(&b), "an id orders as its text");
+            prop_assert_eq!(x == y, a == b, "ids are equal exactly when their text is");
+        }
+    }
+
+    #[test]
+    fn a_shorter_id_sorts_before_its_extensions() {
+        let mut ids: Vec<WorkerId> = ["w10", "w1", "w1-", "w100000000", "w10000000", "W1"]
+            .iter()
+            .map(|s| WorkerId::new(s).unwrap())
+            .collect();
+        ids.sort();
+        let sorted: Vec<&str> = ids.iter().map(WorkerId::as_str).collect();
+        assert_eq!(
+            sorted,
+            ["W1", "w1", "w1-", "w10", "w10000000", "w100000000"],
+            "ids sort as their text, also past the 8-byte prefix"
+        );
+    }
 }

@@ -16,6 +16,7 @@ use std::str::FromStr;
 
 use rand::Rng;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::index::Slot;
 use crate::input::WorkerId;
@@ -269,9 +270,11 @@ pub struct RouteView<'a> {
     /// Tokens per block.
     pub block_size: u32,
     /// Known workers, in slot order: every one of them when `fleet` is `None`; otherwise at
-    /// least every worker whose match reaches [`PolicyConfig::match_threshold`], every worker
-    /// with a lower-tier (host, disk) match, and the provisional owner of the longest match's
-    /// prefix. A worker left out matters to the policy only as a member of a [`Pool`].
+    /// least every candidate at the deepest candidate match reaching
+    /// [`PolicyConfig::match_threshold`] and every worker deeper than it (every worker reaching
+    /// the threshold when no candidate does), every worker with a lower-tier (host, disk)
+    /// match, and the provisional owner of the longest match's prefix. A worker left out
+    /// matters to the policy only as a member of a [`Pool`].
     pub workers: &'a [WorkerView<'a>],
     /// The provisional owner recorded for a prefix key, if any.
     pub provisional: &'a dyn Fn(u64) -> Option<ProvisionalOwner>,
@@ -358,6 +361,10 @@ impl RouteView<'_> {
     }
 }
 
+/// Positions in [`RouteView::workers`]: a handful of owners or candidates in the normal case,
+/// kept off the heap so a decision allocates nothing for them.
+pub type Positions = SmallVec<[usize; 4]>;
+
 /// A policy's decision. Owner positions index [`RouteView::workers`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
@@ -365,7 +372,7 @@ pub struct Choice {
     pub slot: Slot,
     pub label: DecisionLabel,
     pub matched_blocks: u32,
-    pub known_owners: Vec<usize>,
+    pub known_owners: Positions,
     /// Set on `pressure_spill`: record the chosen worker as provisional owner of this prefix.
     pub spilled_prefix: Option<u64>,
 }
@@ -395,7 +402,7 @@ pub fn decide(
 
 /// The deepest match among candidates: positions of the owners and their depth, if that depth
 /// reaches [`PolicyConfig::match_threshold`] (step 2 of the policy).
-pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(Vec<usize>, u32)> {
+pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(Positions, u32)> {
     let depth = view
         .workers
         .iter()
@@ -421,7 +428,7 @@ pub(crate) fn no_owner_label(config: &PolicyConfig, view: &RouteView) -> Decisio
     }
 }
 
-pub(crate) fn positions(view: &RouteView, keep: impl Fn(&WorkerView) -> bool) -> Vec<usize> {
+pub(crate) fn positions(view: &RouteView, keep: impl Fn(&WorkerView) -> bool) -> Positions {
     (0..view.workers.len())
         .filter(|&i| keep(&view.workers[i]))
         .collect()
@@ -467,14 +474,14 @@ pub(crate) fn best_by(
 
 /// The members of `pool` with the deepest lower-tier match, if any has one; otherwise `pool`.
 /// Reloading a prefix from host memory or disk beats computing it again.
-pub(crate) fn deepest_lower_tier(view: &RouteView, pool: &[usize]) -> Vec<usize> {
+pub(crate) fn deepest_lower_tier(view: &RouteView, pool: &[usize]) -> Positions {
     let deepest = pool
         .iter()
         .map(|&i| view.workers[i].lower_tier_depth())
         .max()
         .unwrap_or(0);
     if deepest == 0 {
-        return pool.to_vec();
+        return Positions::from_slice(pool);
     }
     pool.iter()
         .copied()

@@ -8,12 +8,13 @@
 //! known owner is above it).
 
 use rand::Rng;
+use smallvec::SmallVec;
 
 use crate::index::Slot;
 
 use super::{
     best_by, by_pressure, by_reserved_work, deepest_lower_tier, longest_match, no_owner_label,
-    power_of_two, Choice, DecisionLabel, Draw, PolicyConfig, Pool, RouteView,
+    power_of_two, Choice, DecisionLabel, Draw, PolicyConfig, Pool, Positions, RouteView,
 };
 
 pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Option<Choice> {
@@ -69,7 +70,7 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
         (Some(pressure), Some(limit)) => pressure > limit,
         _ => false,
     };
-    let unpressured: Vec<usize> = known_owners
+    let unpressured: Positions = known_owners
         .iter()
         .copied()
         .filter(|&i| !pressured(i))
@@ -83,11 +84,12 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
     // A safe home: a candidate that is not a known owner, with fresh telemetry at or below
     // high_water; those with the deepest lower-tier match of the prefix come first. Only listed
     // workers have a lower-tier match; without one, every safe non-owner of the fleet is a home.
-    let mut owner_slots: Vec<Slot> = known_owners.iter().map(|&i| view.workers[i].slot).collect();
+    let mut owner_slots: SmallVec<[Slot; 4]> =
+        known_owners.iter().map(|&i| view.workers[i].slot).collect();
     owner_slots.sort_unstable();
     // Some(reloaders) if there is a home; no reloaders means the whole pool of safe non-owners.
-    let safe_homes = || -> Option<Vec<usize>> {
-        let reloaders: Vec<usize> = (0..view.workers.len())
+    let safe_homes = || -> Option<Positions> {
+        let reloaders: Positions = (0..view.workers.len())
             .filter(|&i| {
                 Pool::Safe.admits(config, &view.workers[i])
                     && view.workers[i].lower_tier_depth() > 0
@@ -97,9 +99,9 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
         if !reloaders.is_empty() {
             return Some(deepest_lower_tier(view, &reloaders));
         }
-        (view.pool_count(config, Pool::Safe, &owner_slots) > 0).then(Vec::new)
+        (view.pool_count(config, Pool::Safe, &owner_slots) > 0).then(Positions::new)
     };
-    let home_of = |reloaders: Vec<usize>, rng: &mut _| {
+    let home_of = |reloaders: Positions, rng: &mut _| {
         if reloaders.is_empty() {
             let pool = Draw::Pool {
                 pool: Pool::Safe,
@@ -165,7 +167,7 @@ pub(crate) fn no_owner(config: &PolicyConfig, view: &RouteView, rng: &mut impl R
     };
     // Safe members of the pool with a lower-tier match; only listed workers have one. (When no
     // candidate is cool, none is safe either.)
-    let reloaders: Vec<usize> = (0..view.workers.len())
+    let reloaders: Positions = (0..view.workers.len())
         .filter(|&i| {
             let w = &view.workers[i];
             pool.admits(config, w) && Pool::Safe.admits(config, w) && w.lower_tier_depth() > 0
@@ -181,7 +183,7 @@ pub(crate) fn no_owner(config: &PolicyConfig, view: &RouteView, rng: &mut impl R
         slot,
         label: no_owner_label(config, view),
         matched_blocks,
-        known_owners: Vec::new(),
+        known_owners: Positions::new(),
         spilled_prefix: None,
     }
 }

@@ -177,7 +177,9 @@ impl Router {
                 now.saturating_add(self.config.reservation_ttl_ms),
             );
         }
-        if let Some(ns) = ns {
+        // A zero `approx_ttl` turns approximate ownership off: a record would expire as it is
+        // written (a walk counts only records expiring after now), so none is written.
+        if let (Some(ns), true) = (ns, self.config.approx_ttl_ms > 0) {
             self.state.approx.record(
                 ns,
                 keys,

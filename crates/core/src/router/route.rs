@@ -99,6 +99,72 @@ impl Router {
         }
     }
 
+    /// The ranks pressure-first decides on besides the fleet's pools (the provisional owner
+    /// aside): every rank with a lower-tier match, and of the matches reaching the threshold
+    /// the deepest level holding a candidate (the owners) and every level above it (deeper
+    /// ranks that are not candidates). Shallower matches play no part in a decision that has
+    /// owners, so a prefix the whole fleet shares costs its owners, not its holders. When no
+    /// candidate reaches the threshold, every rank that does is listed (step 7 labels by them).
+    /// A match short of the threshold without a lower-tier match is never listed.
+    fn listed_views<'a>(
+        &self,
+        scratch: &RouteScratch,
+        prompt_blocks: usize,
+        view_of: &dyn Fn(Slot) -> WorkerView<'a>,
+    ) -> Vec<WorkerView<'a>> {
+        let threshold = self.config.policy.match_threshold(prompt_blocks);
+        let live = |slot: Slot| self.state.workers.get(slot).is_some();
+        let depth = |slot: Slot| scratch.depths(slot).0;
+        let mut views: Vec<WorkerView<'a>> = Vec::new();
+        // Levels at or above `listed_from` are listed. Two levels are tried one at a time (a
+        // deepest match held only by draining or excluded ranks); past that, the rest at once.
+        let mut listed_from = u32::MAX;
+        for _ in 0..2 {
+            // The deepest level not yet listed, and how many ranks are at it.
+            let (level, at_level) = scratch
+                .touched()
+                .iter()
+                .map(|&slot| depth(slot))
+                .filter(|&d| d >= threshold && d < listed_from)
+                .fold((0, 0), |(level, n), d| match d.cmp(&level) {
+                    std::cmp::Ordering::Greater => (d, 1),
+                    std::cmp::Ordering::Equal => (level, n + 1),
+                    std::cmp::Ordering::Less => (level, n),
+                });
+            if at_level == 0 {
+                break;
+            }
+            views.reserve(at_level);
+            views.extend(
+                scratch
+                    .touched()
+                    .iter()
+                    .filter(|&&slot| depth(slot) == level && live(slot))
+                    .map(|&slot| view_of(slot)),
+            );
+            listed_from = level;
+            if views.iter().any(|v| v.candidate) {
+                break;
+            }
+        }
+        // Below the listed levels: lower-tier matches, and the rest of the threshold's when
+        // no candidate was found.
+        let owners_found = views.iter().any(|v| v.candidate);
+        views.extend(
+            scratch
+                .touched()
+                .iter()
+                .filter(|&&slot| {
+                    let (d, host, disk) = scratch.depths(slot);
+                    d < listed_from
+                        && (host > 0 || disk > 0 || (!owners_found && d >= threshold))
+                        && live(slot)
+                })
+                .map(|&slot| view_of(slot)),
+        );
+        views
+    }
+
     /// The namespace a route's effects are recorded under. A route never creates a namespace
     /// for a name no worker announced: only the default one, or the model the chosen worker
     /// declared (without a LoRA, which only KV events name), and only within `max_models`.
@@ -159,19 +225,7 @@ impl Router {
         // baselines see every worker.
         let sparse = self.config.policy.kind == PolicyKind::PressureFirst && !req.explain;
         let views: Vec<WorkerView> = if sparse {
-            // A match short of the threshold without a lower-tier match plays no part in the
-            // decision (a shared first block held by the whole fleet lists nobody).
-            let threshold = self.config.policy.match_threshold(req.keys.len());
-            let mut views: Vec<WorkerView> = scratch
-                .touched()
-                .iter()
-                .filter(|&&slot| {
-                    let (depth, host, disk) = scratch.depths(slot);
-                    (depth >= threshold || host > 0 || disk > 0)
-                        && self.state.workers.get(slot).is_some()
-                })
-                .map(|&slot| view_of(slot))
-                .collect();
+            let mut views = self.listed_views(&scratch, req.keys.len(), &view_of);
             // The provisional owner of the longest match's prefix, which the policy may add to
             // the known owners.
             let deepest = views

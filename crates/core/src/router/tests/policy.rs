@@ -496,3 +496,35 @@ fn spills_only_choose_fresh_safe_homes() {
         );
     }
 }
+
+#[test]
+fn a_routed_prompt_is_owned_by_its_worker_until_its_events_arrive_unless_approx_ttl_is_zero() {
+    for (ttl_ms, recorded) in [(120_000, true), (0, false)] {
+        let mut fleet = Fleet::with(|c| c.approx_ttl_ms = ttl_ms);
+        for w in ["a", "b", "c", "d"] {
+            fleet.load(w, 0.20);
+        }
+        let first = fleet.route(&PROMPT);
+        assert_eq!(first.decision, DecisionLabel::ColdMiss);
+        fleet.advance(100);
+        let second = fleet.route(&PROMPT);
+        if recorded {
+            assert_eq!(
+                decided(&second),
+                (first.worker.as_str(), DecisionLabel::OwnerHold),
+                "the next turn finds the worker the first was routed to before its KV events arrive"
+            );
+        } else {
+            assert_eq!(
+                second.decision,
+                DecisionLabel::ColdMiss,
+                "with approx_ttl 0 a route makes no owner"
+            );
+        }
+        assert_eq!(
+            fleet.router.state.approx.is_empty(),
+            !recorded,
+            "approximate records are written only when approx_ttl is above zero"
+        );
+    }
+}
