@@ -333,10 +333,12 @@ fn main() {
         let t = Instant::now();
         let stream = generate(&trace, workers, o.capacity, o.dup);
         println!(
-            "\n{workers} workers: {} lookups ({:.1}% hit, mean deepest match {:.1} blocks), {} stored + {} removed block events, {} (worker, block) entries / {} distinct blocks resident at the end (generated in {:.1} s)",
+            "\n{workers} workers: {} lookups ({:.1}% hit, mean deepest match {:.1} blocks held by {:.1} workers, {:.1} workers with a match), {} stored + {} removed block events, {} (worker, block) entries / {} distinct blocks resident at the end (generated in {:.1} s)",
             stream.lookups,
             100.0 * stream.hits as f64 / stream.lookups as f64,
             stream.mean_max_depth,
+            stream.mean_deepest_owners,
+            stream.mean_matched,
             stream.stored_blocks,
             stream.removed_blocks,
             stream.resident,

@@ -102,6 +102,10 @@ pub(crate) struct Stream {
     /// Lookups answered with a match of at least one block, and the mean deepest match.
     pub(crate) hits: usize,
     pub(crate) mean_max_depth: f64,
+    /// Mean ranks per lookup with any match, and at the deepest match (a route decision weighs
+    /// the latter: its cost follows them, not the fleet).
+    pub(crate) mean_matched: f64,
+    pub(crate) mean_deepest_owners: f64,
 }
 
 pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup: u64) -> Stream {
@@ -118,6 +122,8 @@ pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup:
         distinct: 0,
         hits: 0,
         mean_max_depth: 0.0,
+        mean_matched: 0.0,
+        mean_deepest_owners: 0.0,
     };
     let mut holders: FxHashMap<u64, SmallVec<[u32; 4]>> = FxHashMap::default();
     // Block id → engine hash.
@@ -130,6 +136,7 @@ pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup:
     let mut next_rr = 0usize;
     let mut clock = 0u64;
     let mut depth_sum = 0u64;
+    let (mut matched_sum, mut deepest_owners_sum) = (0u64, 0u64);
     // Within one request, an earlier block is more recent than a later one.
     let stamp = |clock: u64, pos: usize| (clock << 16) | (0xffff - pos as u64);
     assert!(capacity < 0xffff, "capacity must fit the LRU stamp");
@@ -185,6 +192,11 @@ pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup:
             s.lookups += 1;
             s.hits += (max_depth > 0) as usize;
             depth_sum += max_depth as u64;
+            matched_sum += matched.len() as u64;
+            deepest_owners_sum += matched
+                .iter()
+                .filter(|&&w| max_depth > 0 && depth[w as usize] == max_depth)
+                .count() as u64;
 
             // The fixed placement rule.
             let w = if max_depth >= 2 {
@@ -245,5 +257,7 @@ pub(crate) fn generate(trace: &[Vec<u64>], workers: usize, capacity: usize, dup:
     s.resident = holders.values().map(|h| h.len() as u64).sum();
     s.distinct = holders.len() as u64;
     s.mean_max_depth = depth_sum as f64 / s.lookups.max(1) as f64;
+    s.mean_matched = matched_sum as f64 / s.lookups.max(1) as f64;
+    s.mean_deepest_owners = deepest_owners_sum as f64 / s.lookups.max(1) as f64;
     s
 }
