@@ -38,7 +38,7 @@ const MIN_LOAD: (usize, usize) = (1, 8);
 /// Smallest non-empty table.
 const MIN_BUCKETS: usize = 8;
 /// How many keys ahead of the one being read [`KeyTable::walk`] prefetches.
-const PREFETCH_AHEAD: usize = 4;
+pub(super) const PREFETCH_AHEAD: usize = 4;
 
 #[derive(Clone)]
 pub struct KeyTable {
@@ -137,7 +137,7 @@ impl KeyTable {
 
     /// Asks the CPU to start loading `key`'s tag and bucket.
     #[inline]
-    fn prefetch(&self, key: u64) {
+    pub(super) fn prefetch(&self, key: u64) {
         #[cfg(target_arch = "x86_64")]
         if !self.tags.is_empty() {
             let i = self.home(key);

@@ -1,11 +1,13 @@
 //! Authoritative ownership from KV events.
 
+use super::key_table::PREFETCH_AHEAD;
 use super::owner_map::OwnerMap;
 use super::{NsId, Slot};
 use crate::hashing::chain;
 use crate::input::StoredBlock;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 /// One worker rank's blocks in one namespace: engine hash → block key. Removals name engine
 /// hashes, which are opaque, so this map is how a removal finds the key it drops.
@@ -101,12 +103,33 @@ impl OwnerIndex {
         mut parent_key: Option<u64>,
         blocks: &[StoredBlock],
     ) -> Option<u64> {
-        for block in blocks {
-            let key = chain(parent_key, block.local);
+        // Each key chains on the one before it, so they are computed first: the owner table
+        // then starts loading a block's entry a few blocks ahead of its insert, and a batch's
+        // cache misses overlap instead of waiting one behind the other.
+        let keys: SmallVec<[u64; 64]> = blocks
+            .iter()
+            .map(|block| {
+                let key = chain(parent_key, block.local);
+                parent_key = Some(key);
+                key
+            })
+            .collect();
+        for &key in keys.iter().take(PREFETCH_AHEAD) {
+            self.prefetch(ns, key);
+        }
+        for (i, (block, &key)) in blocks.iter().zip(&keys).enumerate() {
+            if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
+                self.prefetch(ns, ahead);
+            }
             self.store_keyed(slot, ns, block.engine_hash, key);
-            parent_key = Some(key);
         }
         parent_key
+    }
+
+    fn prefetch(&self, ns: NsId, key: u64) {
+        if let Some(blocks) = self.blocks.get(ns as usize) {
+            blocks.prefetch(key);
+        }
     }
 
     /// Applies a `BlockRemoved` event. Unknown engine hashes are ignored (the block may predate
@@ -132,7 +155,14 @@ impl OwnerIndex {
                 }
             }
         }
-        for &(ns, key) in &dropped {
+        // As in `store`: the owner table's entries are asked for a few blocks ahead.
+        for &(ns, key) in dropped.iter().take(PREFETCH_AHEAD) {
+            self.prefetch(ns, key);
+        }
+        for (i, &(ns, key)) in dropped.iter().enumerate() {
+            if let Some(&(ns, ahead)) = dropped.get(i + PREFETCH_AHEAD) {
+                self.prefetch(ns, ahead);
+            }
             self.remove_owner(ns, key, slot);
         }
         dropped
