@@ -796,3 +796,33 @@ async fn a_durable_consumer_left_with_explicit_acks_by_an_older_version_is_still
         "all 20 batches are acked"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_data_dir_reads_the_stream_from_its_start_though_its_durable_consumer_read_it_before()
+{
+    let nats = Nats::start();
+    let mut first = Daemon::start(&nats.url(), &[]).await;
+    first.wait_ready().await;
+    let mut worker = Worker::connect(&nats.url(), "w").await;
+    worker.store(&prompt(1, 4)).await;
+    first.wait_blocks("w", 4).await;
+    eventually(
+        "the durable consumer has delivered and acked every message",
+        || consumer_settled(worker.client()),
+    )
+    .await;
+    assert!(
+        first.terminate().success(),
+        "the first daemon stops cleanly"
+    );
+
+    // The same broker and durable consumer name, an empty data dir: its journal never held the
+    // messages the consumer already delivered.
+    let second = Daemon::start(&nats.url(), &[]).await;
+    second.wait_ready().await;
+    assert_eq!(
+        second.blocks().await.get("w"),
+        Some(&4),
+        "a new data dir is ready only once the stream is applied from its start"
+    );
+}

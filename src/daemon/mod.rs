@@ -260,15 +260,6 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         None => tracing::info!("running alone (no --replica-id): decisions are not shared"),
     }
 
-    // A new data dir reads the streams from their start, before ingest starts (and while
-    // `/readyz` still says recovering). Only now that this process holds the data dir's lock.
-    if !args.no_jetstream && fresh {
-        forget_consumer_of_an_earlier_data_dir(&client, &args.stream, &args.consumer).await;
-        if let Some(consumer) = args.decisions_consumer() {
-            forget_consumer_of_an_earlier_data_dir(&client, &args.decisions_stream(), &consumer)
-                .await;
-        }
-    }
     // Hand the socket over: the recovering server stops accepting (connections arriving
     // meanwhile wait in the backlog), then the real API serves them.
     let _ = recovered_tx.send(());
@@ -313,6 +304,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         decisions_stream: args.decisions_stream(),
         decisions_max_age: args.decisions_max_age,
         decisions_consumer: args.decisions_consumer(),
+        fresh_data_dir: fresh,
     };
     tokio::spawn(ingest::run(
         client.clone(),
@@ -426,64 +418,6 @@ fn exit_storage_fault(reason: &str) -> ! {
         "stopped by a storage fault: {reason}; restart kvrouted once the data dir can be written"
     );
     std::process::exit(i32::from(EXIT_STORAGE_FAULT))
-}
-
-/// With a `fresh` data dir (nothing journaled yet: a new replica, or one whose dir was lost),
-/// deletes the durable consumer an earlier incarnation left: it would resume after messages
-/// this journal never held. Ingest then creates it again from the start of the stream. (A
-/// consumer left with unacknowledged messages by a process that died is rewound by ingest
-/// itself: `ingest::rewind_to_ack_floor`.) Any failure leaves the consumer as it was.
-async fn forget_consumer_of_an_earlier_data_dir(
-    client: &async_nats::Client,
-    stream: &str,
-    consumer: &str,
-) {
-    use async_nats::connection::State;
-    use async_nats::jetstream;
-    // Only with the broker reachable now: a daemon started while NATS is down must not wait.
-    let connecting = Instant::now();
-    while client.connection_state() != State::Connected {
-        if connecting.elapsed() > Duration::from_secs(1) {
-            tracing::warn!(
-                consumer,
-                "NATS not connected at start: a durable consumer an earlier data dir left is \
-                 kept, and the stream is read from where it stands"
-            );
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let attempt = async {
-        let js = jetstream::new(client.clone());
-        let Ok(stream) = js.get_stream(stream).await else {
-            return Ok(false); // first start: ingest creates it
-        };
-        match stream.consumer_info(consumer).await {
-            Ok(info) if info.delivered.stream_sequence > 0 => {}
-            _ => return Ok(false),
-        }
-        stream
-            .delete_consumer(consumer)
-            .await
-            .map_err(|e| format!("delete: {e}"))?;
-        Ok::<_, String>(true)
-    };
-    match tokio::time::timeout(Duration::from_secs(10), attempt).await {
-        Ok(Ok(true)) => tracing::info!(
-            consumer,
-            "the data dir is new: deleted the durable consumer an earlier data dir left, so the \
-             stream is read from its start"
-        ),
-        Ok(Ok(false)) => {}
-        Ok(Err(e)) => tracing::warn!(
-            consumer,
-            "could not delete the durable consumer an earlier data dir left: {e}"
-        ),
-        Err(_) => tracing::warn!(
-            consumer,
-            "timed out deleting the durable consumer an earlier data dir left"
-        ),
-    }
 }
 
 async fn shutdown_signal() {

@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::{FutureExt, StreamExt};
 
 use super::delivery::{Delivery, DeliveryOrder};
-use super::streams::{consumer_exists, ensure_stream, rewind_to_ack_floor};
+use super::streams::{consumer_exists, ensure_stream, forget_consumer, rewind_to_ack_floor};
 use super::{decode, IngestSettings};
 use crate::prom::reject;
 use crate::status::{Feed, Status};
@@ -44,6 +44,8 @@ pub(super) async fn run(
     let mut marker_sent = false;
     // What this process has handed over from the durable consumer.
     let mut order = DeliveryOrder::default();
+    // Until done once: a new data dir reads the stream from its start.
+    let mut forget_earlier_consumer = settings.fresh_data_dir;
     loop {
         let result: Result<(), Interrupt> = async {
             let stream = ensure_stream(&js, stream_config.clone()).await?;
@@ -52,6 +54,16 @@ pub(super) async fn run(
             if target < order.last_stream_seq {
                 // The broker came back with a new, shorter stream: its sequences start over.
                 order = DeliveryOrder::default();
+            }
+            if forget_earlier_consumer {
+                if forget_consumer(&stream, &consumer_name).await? {
+                    tracing::info!(
+                        consumer = consumer_name,
+                        "the data dir is new: deleted the durable consumer an earlier data dir \
+                         left, so the stream is read from its start"
+                    );
+                }
+                forget_earlier_consumer = false;
             }
             let mut consumer: jetstream::consumer::Consumer<pull::Config> = stream
                 .get_or_create_consumer(

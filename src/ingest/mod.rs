@@ -10,7 +10,7 @@
 //! - `delivery`: the order of a consumer's deliveries, which tells a lost delivery from the next
 //!   one and from one handed over before;
 //! - `streams`: the streams' settings and the broker-side calls (create or raise a stream,
-//!   rewind a durable consumer to its ack floor).
+//!   rewind a durable consumer to its ack floor, delete one an earlier data dir left).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -31,9 +31,7 @@ mod delivery;
 mod jetstream;
 mod streams;
 
-pub use streams::{
-    decisions_stream_config, rewind_to_ack_floor, stream_config, DECISIONS_MAX_BYTES,
-};
+pub use streams::{decisions_stream_config, stream_config, DECISIONS_MAX_BYTES};
 
 pub struct IngestSettings {
     pub subject_prefix: String,
@@ -51,6 +49,10 @@ pub struct IngestSettings {
     pub decisions_stream: String,
     pub decisions_max_age: Duration,
     pub decisions_consumer: Option<String>,
+    /// Nothing is journaled yet (a new replica, or one whose data dir was lost): a durable
+    /// consumer an earlier data dir left would resume after messages this journal never held,
+    /// so each feed deletes it before it first reads, and reads its stream from the start.
+    pub fresh_data_dir: bool,
 }
 
 impl IngestSettings {
@@ -314,6 +316,7 @@ mod tests {
             decisions_stream: "KVROUTED_DECISIONS".into(),
             decisions_max_age: Duration::from_secs(600),
             decisions_consumer: Some("kvrouted-decisions-r1".into()),
+            fresh_data_dir: false,
         }
     }
 
@@ -323,6 +326,13 @@ mod tests {
             h.insert(*k, *v);
         }
         h
+    }
+
+    /// Why `decode` refuses `payload` on `subject` with headers `h`.
+    fn rejection(subject: &str, h: &HeaderMap, payload: &[u8]) -> RejectReason {
+        decode(&settings(), subject, Some(h), payload)
+            .expect_err("the message is refused")
+            .reason
     }
 
     #[test]
@@ -341,9 +351,7 @@ mod tests {
         }
         let h = headers(&[("Kv-Epoch", "boot 2")]);
         assert_eq!(
-            decode(&settings(), "kv.events.w", Some(&h), &payload)
-                .unwrap_err()
-                .reason,
+            rejection("kv.events.w", &h, &payload),
             RejectReason::InvalidHeader,
             "an unreadable Kv-Epoch rejects the batch"
         );
@@ -369,9 +377,7 @@ mod tests {
         }
         let h = headers(&[("Kv-Dp-Rank", "-1")]);
         assert_eq!(
-            decode(&settings(), "kv.load.w", Some(&h), &payload)
-                .unwrap_err()
-                .reason,
+            rejection("kv.load.w", &h, &payload),
             RejectReason::InvalidHeader,
             "an unreadable Kv-Dp-Rank rejects the sample"
         );

@@ -84,7 +84,7 @@ pub(super) async fn ensure_stream(
 /// A stream whose retention is not `limits` (interest or work queue) could drop messages while
 /// the consumer is gone, so it is left alone. `Some((first stream sequence delivered again,
 /// how many were unacknowledged))` when it rewound.
-pub async fn rewind_to_ack_floor(
+pub(super) async fn rewind_to_ack_floor(
     stream: &stream::Stream,
     name: &str,
 ) -> Result<Option<(u64, usize)>, String> {
@@ -115,6 +115,21 @@ pub async fn rewind_to_ack_floor(
         .await
         .map_err(|e| format!("recreate: {e}"))?;
     Ok(Some((from, info.num_ack_pending)))
+}
+
+/// Deletes durable consumer `name` of `stream` if it has delivered anything (one an earlier
+/// data dir left); a consumer that never delivered, or none, is left as it is. Whether it
+/// deleted one.
+pub(super) async fn forget_consumer(stream: &stream::Stream, name: &str) -> Result<bool, String> {
+    match stream.consumer_info(name).await {
+        Ok(info) if info.delivered.stream_sequence > 0 => {}
+        _ => return Ok(false),
+    }
+    stream
+        .delete_consumer(name)
+        .await
+        .map_err(|e| format!("delete consumer {name}: {e}"))?;
+    Ok(true)
 }
 
 /// Whether the broker has our stream and durable consumer (after a reconnect: a broker
