@@ -196,11 +196,34 @@ fn route_long_prompt(c: &mut Criterion) {
     group.finish();
 }
 
+/// 4,096 workers, each with a load sample, all holding the same 32-block prompt: every worker
+/// is an owner, the worst case of a prefix the whole fleet shares. The figure divided by 4,096
+/// is a decision's cost per owner.
+fn route_shared_prefix(c: &mut Criterion) {
+    const WORKERS: usize = 4096;
+    let mut router = Router::new(config());
+    let mut seq = 0;
+    for w in 0..WORKERS {
+        seq += 1;
+        router.apply(&stamp(seq, load(w, 0.5)));
+        seq += 1;
+        router.apply(&stamp(seq, stored_batch(w, 1, 0)));
+    }
+    let request = request(chain_locals((0..BATCH_BLOCKS).map(|i| (1u64 << 20) | i)));
+    let mut group = c.benchmark_group("route");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("32_blocks_4096_owners", |b| {
+        b.iter_custom(|iters| time_routes(&mut router, &mut seq, &request, iters));
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
     apply_stored_events,
     route_long_prompt,
-    route_large_fleet
+    route_large_fleet,
+    route_shared_prefix
 );
 
 fn main() {
