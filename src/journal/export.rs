@@ -14,7 +14,7 @@ const MAGIC: &[u8] = b"KVROUTED-JOURNAL 1\n";
 #[derive(Serialize, Deserialize)]
 enum Record {
     Snapshot(Box<Snapshot>),
-    Entry(u64, JournalEntry),
+    Entry(u64, Box<JournalEntry>),
 }
 
 /// Where an audit replay of `journal` starts: from nothing when the journal is complete, else
@@ -45,7 +45,8 @@ pub fn write_export(journal: &Journal, out: &Path) -> Result<u64> {
     let mut n = 0;
     for item in journal.entries_after(after) {
         let (seq, entry) = item?;
-        rmp_serde::encode::write(&mut w, &Record::Entry(seq, entry)).map_err(encode_err)?;
+        rmp_serde::encode::write(&mut w, &Record::Entry(seq, Box::new(entry)))
+            .map_err(encode_err)?;
         n += 1;
     }
     w.flush()?;
@@ -68,7 +69,7 @@ pub fn read_export(path: &Path) -> Result<(Option<Snapshot>, ExportReader)> {
     let snapshot = match reader.next_record()? {
         Some(Record::Snapshot(s)) => Some(*s),
         Some(Record::Entry(seq, e)) => {
-            reader.pending = Some((seq, e));
+            reader.pending = Some((seq, *e));
             None
         }
         None => None,
@@ -125,7 +126,7 @@ impl Iterator for ExportReader {
         match self.next_record() {
             Ok(Some(Record::Entry(seq, e))) => {
                 self.last_seq = seq;
-                Some(Ok((seq, e)))
+                Some(Ok((seq, *e)))
             }
             Ok(Some(Record::Snapshot(_))) => Some(Err(JournalError::Corrupt {
                 seq: self.last_seq + 1,

@@ -5,23 +5,24 @@
 //! serializable because they are exactly what the journal stores.
 
 use std::fmt;
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+use smol_str::SmolStr;
 
 /// A worker id: 1 to 128 characters from `A-Z a-z 0-9 _ - :` (docs/architecture.md, "Wire contract"). No dots, because a
 /// worker id is one NATS subject token.
 ///
-/// Ordered as its text. The id's first 8 bytes, zero-padded, are kept beside it as a big-endian
-/// number and compared first: ids never hold a zero byte, so that number orders as the text
-/// does, and sorting a route's owners (hundreds when a prefix is shared by a large fleet)
-/// compares integers, not strings.
+/// Ordered as its text. The id's first 16 bytes, zero-padded, are kept beside it as two
+/// big-endian numbers and compared first: ids never hold a zero byte, so those numbers order as
+/// the text does, and sorting a route's owners (hundreds when a prefix is shared by a large fleet)
+/// compares integers, not strings. Ids of up to 23 bytes are stored inline and longer ones
+/// shared, so a decision copies its owners' ids without touching the heap.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct WorkerId {
     /// Field order matters: the derived order compares `prefix` first.
-    prefix: u64,
-    name: Arc<str>,
+    prefix: [u64; 2],
+    name: SmolStr,
 }
 
 /// Longest accepted worker id, in characters.
@@ -40,12 +41,15 @@ impl WorkerId {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b':'));
         if valid_len && valid_chars {
-            let mut prefix = [0u8; 8];
-            let n = id.len().min(8);
+            let mut prefix = [0u8; 16];
+            let n = id.len().min(16);
             prefix[..n].copy_from_slice(&id.as_bytes()[..n]);
             Ok(WorkerId {
-                prefix: u64::from_be_bytes(prefix),
-                name: Arc::from(id),
+                prefix: [
+                    u64::from_be_bytes(prefix[..8].try_into().expect("8 bytes")),
+                    u64::from_be_bytes(prefix[8..].try_into().expect("8 bytes")),
+                ],
+                name: SmolStr::new(id),
             })
         } else {
             Err(InvalidWorkerId(
@@ -432,9 +436,12 @@ mod tests {
     proptest! {
         #[test]
         fn worker_ids_order_and_compare_as_their_text(
-            a in "[A-Za-z0-9_:-]{1,12}",
-            b in "[A-Za-z0-9_:-]{1,12}",
+            a in "[A-Za-z0-9_:-]{1,24}",
+            b in "[A-Za-z0-9_:-]{1,24}",
+            shared in "[a-z]{0,20}",
         ) {
+            // A shared start makes ties of the 16-byte prefix common.
+            let (a, b) = (format!("{shared}{a}"), format!("{shared}{b}"));
             let (x, y) = (WorkerId::new(&a).unwrap(), WorkerId::new(&b).unwrap());
             prop_assert_eq!(x.cmp(&y), a.cmp(&b), "an id orders as its text");
             prop_assert_eq!(x == y, a == b, "ids are equal exactly when their text is");
@@ -443,16 +450,30 @@ mod tests {
 
     #[test]
     fn a_shorter_id_sorts_before_its_extensions() {
-        let mut ids: Vec<WorkerId> = ["w10", "w1", "w1-", "w100000000", "w10000000", "W1"]
-            .iter()
-            .map(|s| WorkerId::new(s).unwrap())
-            .collect();
+        let mut ids: Vec<WorkerId> = [
+            "w10",
+            "w1",
+            "w1-",
+            "w1000000000000000",
+            "w100000000000000",
+            "W1",
+        ]
+        .iter()
+        .map(|s| WorkerId::new(s).unwrap())
+        .collect();
         ids.sort();
         let sorted: Vec<&str> = ids.iter().map(WorkerId::as_str).collect();
         assert_eq!(
             sorted,
-            ["W1", "w1", "w1-", "w10", "w10000000", "w100000000"],
-            "ids sort as their text, also past the 8-byte prefix"
+            [
+                "W1",
+                "w1",
+                "w1-",
+                "w10",
+                "w100000000000000",
+                "w1000000000000000"
+            ],
+            "ids sort as their text, also past the 16-byte prefix"
         );
     }
 }
