@@ -47,14 +47,34 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
             }
         }
     }
+    let ((slot, matched_blocks), label, spilled_prefix) = hold_or_spill(
+        config,
+        view,
+        &known_owners,
+        prefix,
+        provisional.is_some(),
+        rng,
+    );
     // matched_blocks is the chosen worker's own depth, so a spill never claims reuse.
-    let choice = |(slot, matched_blocks): (Slot, u32), label, spilled_prefix| Choice {
+    Some(Choice {
         slot,
         label,
         matched_blocks,
-        known_owners: known_owners.clone(),
+        known_owners,
         spilled_prefix,
-    };
+    })
+}
+
+/// Steps 4 to 6 for a request with known owners: the chosen rank and its depth, the label, and
+/// the prefix to record a provisional owner for (a spill's).
+fn hold_or_spill(
+    config: &PolicyConfig,
+    view: &RouteView,
+    known_owners: &[usize],
+    prefix: u64,
+    spill_in_cooldown: bool,
+    rng: &mut impl Rng,
+) -> ((Slot, u32), DecisionLabel, Option<u64>) {
     let listed = |i: usize| (view.workers[i].slot, view.workers[i].depth);
 
     // 4. Hold on a suitable owner. An owner is pressured when its fresh pressure is above
@@ -77,9 +97,9 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
         .collect();
     if !unpressured.is_empty() {
         let worker = best_by(view, &unpressured, by_reserved_work);
-        return Some(choice(listed(worker), DecisionLabel::OwnerHold, None));
+        return (listed(worker), DecisionLabel::OwnerHold, None);
     }
-    let least_pressured_owner = listed(best_by(view, &known_owners, by_pressure));
+    let least_pressured_owner = listed(best_by(view, known_owners, by_pressure));
 
     // A safe home: a candidate that is not a known owner, with fresh telemetry at or below
     // high_water; those with the deepest lower-tier match of the prefix come first. Only listed
@@ -122,38 +142,30 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
                 .iter()
                 .all(|&i| view.workers[i].pressure.is_some_and(|p| p > x))
         });
-        if overloaded && provisional.is_none() {
+        if overloaded && !spill_in_cooldown {
             if let Some(homes) = safe_homes() {
                 let home = home_of(homes, rng);
-                return Some(choice(home, DecisionLabel::OverloadSpill, Some(prefix)));
+                return (home, DecisionLabel::OverloadSpill, Some(prefix));
             }
         }
-        return Some(choice(
-            least_pressured_owner,
-            DecisionLabel::CeilingHold,
-            None,
-        ));
+        return (least_pressured_owner, DecisionLabel::CeilingHold, None);
     }
 
     // 5. Every owner is pressured and the ceiling is not reached: spill, at most once per
     //    cooldown, and only to a safe home.
-    if provisional.is_some() {
+    if spill_in_cooldown {
         // Concurrent spills coalesce on the one provisional owner already created.
-        return Some(choice(
+        return (
             least_pressured_owner,
             DecisionLabel::SpillCooldownHold,
             None,
-        ));
+        );
     }
     let Some(homes) = safe_homes() else {
-        return Some(choice(
-            least_pressured_owner,
-            DecisionLabel::NoSafeHomeHold,
-            None,
-        ));
+        return (least_pressured_owner, DecisionLabel::NoSafeHomeHold, None);
     };
     let home = home_of(homes, rng);
-    Some(choice(home, DecisionLabel::PressureSpill, Some(prefix)))
+    (home, DecisionLabel::PressureSpill, Some(prefix))
 }
 
 /// Step 7: size-aware power-of-two choices over candidates, preferring those not above

@@ -34,6 +34,8 @@ pub(super) struct RouteScratch {
     depth: Vec<[u32; 4]>,
     /// Ranks with a non-zero depth on some tier, in the order the walks met them.
     touched: Vec<Slot>,
+    /// The deepest depth per tier over all ranks: the last key a walk continued.
+    deepest: [u32; 4],
     pub(super) pools: Pools,
     /// Slots the worker table reported changed; kept to reuse its buffer.
     changed: Vec<Slot>,
@@ -70,7 +72,20 @@ impl RouteScratch {
             // A slot can appear twice for one key (two engine hashes); it still counts once.
             any |= row[tier] as usize == i + 1;
         }
+        if any {
+            self.deepest[tier] = i as u32 + 1;
+        }
         any
+    }
+
+    /// The deepest device or approximate depth of any rank, known without a pass over them.
+    pub(super) fn deepest_match(&self) -> u32 {
+        self.deepest[DEVICE].max(self.deepest[APPROX])
+    }
+
+    /// Whether any rank has a host-memory or disk match.
+    pub(super) fn any_lower_tier(&self) -> bool {
+        self.deepest[HOST] > 0 || self.deepest[DISK] > 0
     }
 
     /// The depths of `slot`: (device or approximate, whichever is deeper; host; disk).
@@ -86,10 +101,16 @@ impl RouteScratch {
 
     /// Ends a route: zeroes the rows its walks touched and keeps the excluded ranks' buffer.
     pub(super) fn finish(mut self, mut excluded: Vec<Slot>) -> Self {
-        for &slot in &self.touched {
-            self.depth[slot as usize] = [0; 4];
+        // Past a quarter of the rows, one sequential fill beats scattered stores.
+        if self.touched.len() * 4 >= self.depth.len() {
+            self.depth.fill([0; 4]);
+        } else {
+            for &slot in &self.touched {
+                self.depth[slot as usize] = [0; 4];
+            }
         }
         self.touched.clear();
+        self.deepest = [0; 4];
         excluded.clear();
         self.excluded = excluded;
         self

@@ -118,23 +118,22 @@ impl Router {
         let mut views: Vec<WorkerView<'a>> = Vec::new();
         // Levels at or above `listed_from` are listed. Two levels are tried one at a time (a
         // deepest match held only by draining or excluded ranks); past that, the rest at once.
+        // The deepest level is known from the walks; only the next one needs a pass.
         let mut listed_from = u32::MAX;
-        for _ in 0..2 {
-            // The deepest level not yet listed, and how many ranks are at it.
-            let (level, at_level) = scratch
-                .touched()
-                .iter()
-                .map(|&slot| depth(slot))
-                .filter(|&d| d >= threshold && d < listed_from)
-                .fold((0, 0), |(level, n), d| match d.cmp(&level) {
-                    std::cmp::Ordering::Greater => (d, 1),
-                    std::cmp::Ordering::Equal => (level, n + 1),
-                    std::cmp::Ordering::Less => (level, n),
-                });
-            if at_level == 0 {
+        let mut level = scratch.deepest_match();
+        for attempt in 0..2 {
+            if level == 0 || level < threshold {
                 break;
             }
-            views.reserve(at_level);
+            let before = views.len();
+            // Counted first so the views are written once into a vector of the right size (and
+            // room for the provisional owner): growing one of hundreds of views costs more.
+            let at_level = scratch
+                .touched()
+                .iter()
+                .filter(|&&slot| depth(slot) == level)
+                .count();
+            views.reserve(at_level + 1);
             views.extend(
                 scratch
                     .touched()
@@ -143,13 +142,23 @@ impl Router {
                     .map(|&slot| view_of(slot)),
             );
             listed_from = level;
-            if views.iter().any(|v| v.candidate) {
+            if attempt == 1 || views[before..].iter().any(|v| v.candidate) {
                 break;
             }
+            level = scratch
+                .touched()
+                .iter()
+                .map(|&slot| depth(slot))
+                .filter(|&d| d < listed_from)
+                .max()
+                .unwrap_or(0);
         }
         // Below the listed levels: lower-tier matches, and the rest of the threshold's when
         // no candidate was found.
         let owners_found = views.iter().any(|v| v.candidate);
+        if owners_found && !scratch.any_lower_tier() {
+            return views;
+        }
         views.extend(
             scratch
                 .touched()
@@ -289,13 +298,14 @@ impl Router {
         // The chosen rank's own depth: a spill to a non-owner reuses nothing.
         let matched_blocks = chosen.depth;
         let held_tokens = u64::from(chosen.depth).saturating_mul(u64::from(block_size));
-        let mut owners: Vec<WorkerId> = choice
-            .known_owners
-            .iter()
-            .map(|&i| views[i].id.clone())
-            .collect();
-        owners.sort();
-        owners.dedup();
+        // Sorted by reference (cheap to move), cloned once; the ranks of one worker share its
+        // id and are listed once. The views are in slot order, which often follows the ids'
+        // (ranks joining in the order of their names): a stable sort finds those runs.
+        let mut owner_ids: Vec<&WorkerId> =
+            choice.known_owners.iter().map(|&i| views[i].id).collect();
+        owner_ids.sort();
+        owner_ids.dedup();
+        let owners: Vec<WorkerId> = owner_ids.into_iter().cloned().collect();
         let match_threshold = self.config.policy.match_threshold(req.keys.len());
         let explain = req.explain.then(|| {
             views
