@@ -90,13 +90,20 @@ fn hold_or_spill(
         (Some(pressure), Some(limit)) => pressure > limit,
         _ => false,
     };
-    let unpressured: Positions = known_owners
-        .iter()
-        .copied()
-        .filter(|&i| !pressured(i))
-        .collect();
-    if !unpressured.is_empty() {
-        let worker = best_by(view, &unpressured, by_reserved_work);
+    // Most often no owner is pressured: then all of them are the hold's pool, not a copy.
+    let unpressured: Positions;
+    let hold_pool: &[usize] = if known_owners.iter().any(|&i| pressured(i)) {
+        unpressured = known_owners
+            .iter()
+            .copied()
+            .filter(|&i| !pressured(i))
+            .collect();
+        &unpressured
+    } else {
+        known_owners
+    };
+    if !hold_pool.is_empty() {
+        let worker = best_by(view, hold_pool, by_reserved_work);
         return (listed(worker), DecisionLabel::OwnerHold, None);
     }
     let least_pressured_owner = listed(best_by(view, known_owners, by_pressure));
