@@ -245,7 +245,9 @@ fn replay<S: Subject>(stream: &Stream) -> Rep {
             }
         }
     }
-    let bytes = live().saturating_sub(before);
+    let bytes = live()
+        .saturating_sub(before)
+        .saturating_sub(subject.bench_bytes());
     let errors = subject.errors();
     let mut notes = subject.notes();
     if let Some(n) = first_mismatch {

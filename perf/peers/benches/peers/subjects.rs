@@ -10,6 +10,7 @@ use kvrouted::input::{
     Input, KvEvent, KvEventBatch, Medium, RouteRequest, Stamped, StoredBlock, WorkerId,
 };
 use kvrouted::router::{Output, Router, RouterConfig};
+use kvrouted::sim::percentile;
 
 use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::nested_map::{LevelIndex, SearchMode};
@@ -57,6 +58,10 @@ pub(crate) trait Subject {
     /// Size notes for the report.
     fn notes(&self) -> String {
         String::new()
+    }
+    /// Heap bytes the subject holds for the bench's own figures, left out of its memory.
+    fn bench_bytes(&self) -> usize {
+        0
     }
 }
 
@@ -589,7 +594,13 @@ pub(crate) struct FullRouter {
     pub(crate) seq: u64,
     pub(crate) ids: Vec<WorkerId>,
     pub(crate) no_candidate: u64,
+    /// (time, owners listed in the reply) of each decision: a decision weighs its owners, so
+    /// its time is reported apart for those with many.
+    pub(crate) decisions: Vec<(u64, usize)>,
 }
+
+/// Decisions with at least this many owners are reported apart (the notes' `wide_`).
+const WIDE_DECISION_OWNERS: usize = 256;
 
 /// Mooncake blocks are 512 tokens; the router is configured for that block size.
 pub(crate) const TRACE_BLOCK: u32 = 512;
@@ -621,6 +632,7 @@ impl Subject for FullRouter {
                 .map(|w| WorkerId::new(&format!("w{w}")).unwrap())
                 .collect(),
             no_candidate: 0,
+            decisions: Vec::new(),
         }
     }
 
@@ -686,6 +698,7 @@ impl Subject for FullRouter {
             Output::Routed(d) => {
                 let reservation = d.reservation;
                 let matched = d.matched_blocks;
+                self.decisions.push((ns, d.owners.len()));
                 let release = self.stamp(Input::Release {
                     reservation,
                     phase: None,
@@ -702,11 +715,33 @@ impl Subject for FullRouter {
         (ns, Answer::MaxDepth { matched, threshold })
     }
 
+    fn bench_bytes(&self) -> usize {
+        self.decisions.capacity() * std::mem::size_of::<(u64, usize)>()
+    }
+
     fn notes(&self) -> String {
         let s = self.router.index_stats();
+        let (mut wide, mut narrow): (Vec<u64>, Vec<u64>) = (Vec::new(), Vec::new());
+        for &(ns, owners) in &self.decisions {
+            if owners >= WIDE_DECISION_OWNERS {
+                wide.push(ns);
+            } else {
+                narrow.push(ns);
+            }
+        }
+        wide.sort_unstable();
+        narrow.sort_unstable();
         format!(
-            "blocks={} entries={} no_candidate={}",
-            s.blocks, s.entries, self.no_candidate
+            "blocks={} entries={} no_candidate={} wide_decisions={} (>={WIDE_DECISION_OWNERS} owners) \
+             wide_p50_ns={} wide_p99_ns={} other_p50_ns={} other_p99_ns={}",
+            s.blocks,
+            s.entries,
+            self.no_candidate,
+            wide.len(),
+            percentile(&wide, 0.50),
+            percentile(&wide, 0.99),
+            percentile(&narrow, 0.50),
+            percentile(&narrow, 0.99),
         )
     }
 }
