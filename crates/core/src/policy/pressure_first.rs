@@ -66,7 +66,8 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
 }
 
 /// Steps 4 to 6 for a request with known owners: the chosen rank and its depth, the label, and
-/// the prefix to record a provisional owner for (a spill's).
+/// the prefix to record a provisional owner for (a spill's). `spill_in_cooldown`: a provisional
+/// owner of `prefix` was recorded inside the cooldown (step 3 found it).
 fn hold_or_spill(
     config: &PolicyConfig,
     view: &RouteView,
