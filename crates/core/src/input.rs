@@ -44,11 +44,10 @@ impl WorkerId {
             let mut prefix = [0u8; 16];
             let n = id.len().min(16);
             prefix[..n].copy_from_slice(&id.as_bytes()[..n]);
+            let prefix = u128::from_be_bytes(prefix);
             Ok(WorkerId {
-                prefix: [
-                    u64::from_be_bytes(prefix[..8].try_into().expect("8 bytes")),
-                    u64::from_be_bytes(prefix[8..].try_into().expect("8 bytes")),
-                ],
+                // Two halves rather than one u128, which would align the id to 16 bytes.
+                prefix: [(prefix >> 64) as u64, prefix as u64],
                 name: SmolStr::new(id),
             })
         } else {

@@ -37,8 +37,18 @@ const MAX_LOAD: (usize, usize) = (3, 4);
 const MIN_LOAD: (usize, usize) = (1, 8);
 /// Smallest non-empty table.
 const MIN_BUCKETS: usize = 8;
-/// How many keys ahead of the one being read [`KeyTable::walk`] prefetches.
-pub(super) const PREFETCH_AHEAD: usize = 4;
+/// How many keys ahead of the one being read a pass over the index prefetches.
+const PREFETCH_AHEAD: usize = 4;
+
+/// What a pass over `items` asks the CPU to start loading at position `i`: the first
+/// [`PREFETCH_AHEAD`] and the next at the start, then the item [`PREFETCH_AHEAD`] ahead. Each
+/// pass of the index over a batch of keys (a walk, a stored or removed batch) prefetches this
+/// way, so their cache misses overlap instead of queueing (a hint past the end is not given).
+pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
+    let end = (i + PREFETCH_AHEAD + 1).min(items.len());
+    let start = if i == 0 { 0 } else { i + PREFETCH_AHEAD };
+    &items[start.min(end)..end]
+}
 
 #[derive(Clone)]
 pub struct KeyTable {
@@ -112,12 +122,9 @@ impl KeyTable {
         if self.tags.is_empty() {
             return;
         }
-        for &key in keys.iter().take(PREFETCH_AHEAD) {
-            self.prefetch(key);
-        }
         for (i, &key) in keys.iter().enumerate() {
-            if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
-                self.prefetch(ahead);
+            for &next in ahead(keys, i) {
+                self.prefetch(next);
             }
             match self.probe(key) {
                 (at, true) if visit(i, self.buckets[at].1) => {}
@@ -289,6 +296,24 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn a_pass_asks_for_every_item_once_and_ahead_of_its_use() {
+        for len in 0..12 {
+            let items: Vec<usize> = (0..len).collect();
+            let mut asked = Vec::new();
+            for i in 0..len {
+                for &item in ahead(&items, i) {
+                    assert!(
+                        item >= i && item <= i + PREFETCH_AHEAD,
+                        "at {i} of {len}, item {item} is asked for at most {PREFETCH_AHEAD} ahead"
+                    );
+                    asked.push(item);
+                }
+            }
+            assert_eq!(asked, items, "each item is asked for once, in order");
+        }
+    }
 
     #[derive(Debug, Clone)]
     enum Op {

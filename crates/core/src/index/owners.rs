@@ -1,6 +1,6 @@
 //! Authoritative ownership from KV events.
 
-use super::key_table::PREFETCH_AHEAD;
+use super::key_table::ahead;
 use super::owner_map::OwnerMap;
 use super::{NsId, Slot};
 use crate::hashing::chain;
@@ -114,12 +114,9 @@ impl OwnerIndex {
                 key
             })
             .collect();
-        for &key in keys.iter().take(PREFETCH_AHEAD) {
-            self.prefetch(ns, key);
-        }
         for (i, (block, &key)) in blocks.iter().zip(&keys).enumerate() {
-            if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
-                self.prefetch(ns, ahead);
+            for &next in ahead(&keys, i) {
+                self.prefetch(ns, next);
             }
             self.store_keyed(slot, ns, block.engine_hash, key);
         }
@@ -156,12 +153,9 @@ impl OwnerIndex {
             }
         }
         // As in `store`: the owner table's entries are asked for a few blocks ahead.
-        for &(ns, key) in dropped.iter().take(PREFETCH_AHEAD) {
-            self.prefetch(ns, key);
-        }
         for (i, &(ns, key)) in dropped.iter().enumerate() {
-            if let Some(&(ns, ahead)) = dropped.get(i + PREFETCH_AHEAD) {
-                self.prefetch(ns, ahead);
+            for &(ns, next) in ahead(&dropped, i) {
+                self.prefetch(ns, next);
             }
             self.remove_owner(ns, key, slot);
         }

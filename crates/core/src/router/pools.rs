@@ -2,7 +2,7 @@
 //! the sampled candidates, not the size of the fleet:
 //!
 //! - [`RouteScratch`]: per-rank depths on each tier, reused from route to route; only the ranks
-//!   a walk touched are reset afterwards.
+//!   a walk touched are reset afterwards (all rows at once when more than a quarter were).
 //! - [`Pools`]: the fleet's candidate pools (candidates, cool, safe; docs/architecture.md,
 //!   "Policy") as order-statistic trees over slots, one per model, updated for each rank that
 //!   changed (the worker table notes them) and for each rank whose telemetry went stale. A
