@@ -21,8 +21,9 @@ use crate::writer::{Ack, AckFuture, Acknowledge, WriterGone, WriterHandle};
 /// recreates them if the broker came back without them (restarted empty): waiting for the
 /// missed heartbeats would take seconds, and events published meanwhile would be lost.
 ///
-/// The feed is caught up once every message up to the stream's last sequence at start (or up
-/// to the end, whichever comes first) is journaled and flushed: a replica that was away answers
+/// The feed is caught up once every message up to the stream's last sequence at start is
+/// journaled and flushed (or, when the last of them left the stream before they were read, once
+/// the consumer has nothing pending and the feed is quiet): a replica that was away answers
 /// routes only with what it missed applied.
 pub(super) async fn run(
     client: async_nats::Client,
@@ -87,8 +88,15 @@ pub(super) async fn run(
             // in place, so follow whatever it has.
             let cumulative =
                 consumer.cached_info().config.ack_policy == jetstream::consumer::AckPolicy::All;
-            let pending = consumer.info().await.map(|i| i.num_pending).unwrap_or(1);
+            let (pending, delivered_to) = match consumer.info().await {
+                Ok(info) => {
+                    order.expect_after(info.delivered.consumer_sequence);
+                    (info.num_pending, info.delivered.stream_sequence)
+                }
+                Err(_) => (1, 0),
+            };
             if pending == 0
+                && delivered_to >= target
                 && mark_caught_up(&writer, &status, feed, &mut marker_sent)
                     .await
                     .is_err()
@@ -114,6 +122,15 @@ pub(super) async fn run(
             // Set when the broker came back without the stream or the consumer: what is still
             // buffered here was delivered before and is handed over, then both are recreated.
             let mut draining = false;
+            // Whether a delivery arrived since the last quiet check, and whether that check
+            // found deliveries the consumer counts that never arrived.
+            let mut arrived = false;
+            let mut unseen_before = false;
+            let mut quiet = tokio::time::interval_at(
+                tokio::time::Instant::now() + QUIET_CHECK,
+                QUIET_CHECK,
+            );
+            quiet.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 let msg = if draining {
                     match messages.next().now_or_never() {
@@ -137,7 +154,45 @@ pub(super) async fn run(
                             }
                             continue;
                         }
+                        _ = quiet.tick() => {
+                            if std::mem::take(&mut arrived) {
+                                unseen_before = false;
+                                continue;
+                            }
+                            let (unseen, pending) = match consumer.info().await {
+                                Ok(info) => (
+                                    order.unseen(info.delivered.consumer_sequence),
+                                    info.num_pending,
+                                ),
+                                Err(_) => (0, 1),
+                            };
+                            // Quiet, nothing lost and nothing left: the backlog's last messages
+                            // are gone from the stream (limits), so no delivery reaches `target`.
+                            if unseen == 0
+                                && pending == 0
+                                && mark_caught_up(&writer, &status, feed, &mut marker_sent)
+                                    .await
+                                    .is_err()
+                            {
+                                return Ok(());
+                            }
+                            // Seen on two quiet checks in a row, so not merely in transit.
+                            if unseen > 0 && unseen_before {
+                                metrics::counter!("kvrouted_ingest_lost_deliveries_total", "feed" => feed.name())
+                                    .increment(unseen);
+                                tracing::warn!(
+                                    feed = feed.name(),
+                                    missing = unseen,
+                                    "the consumer delivered messages that never arrived, and \
+                                     none came after them: delivering again from the ack floor"
+                                );
+                                return Err(Interrupt::LostDeliveries);
+                            }
+                            unseen_before = unseen > 0;
+                            continue;
+                        }
                     };
+                    arrived = true;
                     let Some(msg) = msg else { break };
                     msg.map_err(|e| format!("message stream: {e}"))?
                 };
@@ -169,7 +224,11 @@ pub(super) async fn run(
                         metrics::gauge!("kvrouted_ingest_pending_messages")
                             .set(info.pending as f64);
                     }
-                    backlog_done = info.pending == 0 || info.stream_sequence >= target;
+                    // Measured in the stream's sequence, as `target` is, not by the delivery's
+                    // `pending`: that is the consumer's own count, and a consumer recreated
+                    // while a server of the cluster was away and coming back has been seen to
+                    // count a backlog wrong (19 where 100 were to come).
+                    backlog_done = info.stream_sequence >= target;
                 }
                 let (msg, acker) = msg.split();
                 let ack = Ack {
@@ -312,6 +371,11 @@ impl Acknowledge for JetStreamAck {
         Box::pin(async move { self.0.ack().await.map_err(|e| e.to_string()) })
     }
 }
+
+/// How long a feed is quiet before it asks its consumer whether deliveries went missing.
+/// Two quiet checks in a row must find them: a loss is then noticed within three periods
+/// instead of JetStream's redelivery after `ack_wait` (30s).
+const QUIET_CHECK: Duration = Duration::from_secs(2);
 
 /// Why a consumer loop starts over.
 enum Interrupt {
