@@ -1,10 +1,15 @@
 //! The broker goes away under a running daemon and comes back on the same port with the same
 //! storage (docs/architecture.md, "Failure and bad input"): routes are served from the last known state throughout, readiness
 //! says degraded (and stays in rotation) meanwhile, and ingest resumes on both paths afterwards:
-//! KV events through the JetStream durable consumer, load samples on core NATS.
+//! KV events through the JetStream durable consumer, load samples on core NATS. A delivery the
+//! daemon never receives is delivered again within seconds, also the last of a burst.
 mod common;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use common::*;
+use futures::StreamExt;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,5 +124,82 @@ async fn a_broker_restarted_empty_gets_its_stream_back_before_readiness_and_lose
         (status, &body["worker"], &body["matched_blocks"]),
         (200, &json!("owner"), &json!(3)),
         "an event published right after the broker came back empty is applied: {body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_lost_at_the_end_of_a_burst_is_delivered_again_within_seconds_not_after_ack_wait(
+) {
+    let nats = Nats::start();
+    let daemon = Daemon::start(&nats.url(), &[]).await;
+    daemon.wait_ready().await;
+    let mut worker = Worker::connect(&nats.url(), "w").await;
+
+    // Another pull request on the daemon's durable consumer, whose deliveries nobody hands to
+    // the daemon: what a pull request of a process that died, or a server that went away with
+    // a delivery, leaves. JetStream serves waiting pull requests in turn, so one of the next
+    // deliveries goes there.
+    let thief = async_nats::connect(nats.url()).await.unwrap();
+    let inbox = thief.new_inbox();
+    let mut taken = thief.subscribe(inbox.clone()).await.unwrap();
+    thief
+        .publish_with_reply(
+            "$JS.API.CONSUMER.MSG.NEXT.KVROUTED.kvrouted",
+            inbox,
+            r#"{"batch":1,"expires":120000000000}"#.into(),
+        )
+        .await
+        .unwrap();
+    thief.flush().await.unwrap();
+    let taken_count = Arc::new(AtomicU64::new(0));
+    let counter = taken_count.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = taken.next().await {
+            // Data messages keep their own subject; status replies come on the inbox.
+            if msg.subject.starts_with("kv.") {
+                counter.fetch_add(1, Ordering::Release);
+            }
+        }
+    });
+
+    // Batches one at a time until one is taken: the daemon applies each until then, so the
+    // taken one is the last of the burst, with no later delivery to reveal its loss.
+    let mut published = 0;
+    while taken_count.load(Ordering::Acquire) == 0 {
+        assert!(
+            published < 20,
+            "a waiting pull request of its own is served within a few deliveries"
+        );
+        published += 1;
+        worker.store(&prompt(published, 1)).await;
+        eventually(
+            "the batch reaches the daemon or the other pull request",
+            || {
+                let taken_count = taken_count.clone();
+                let daemon = &daemon;
+                async move {
+                    let applied = daemon.blocks().await.get("w").copied().unwrap_or(0);
+                    (applied == u64::from(published) || taken_count.load(Ordering::Acquire) > 0)
+                        .then_some(())
+                }
+            },
+        )
+        .await;
+    }
+
+    // The deadline (20s) is shorter than JetStream's own redelivery after `ack_wait` (30s).
+    daemon.wait_blocks("w", u64::from(published)).await;
+    assert!(
+        daemon
+            .metric("kvrouted_ingest_lost_deliveries_total{feed=\"events\"}")
+            .await
+            >= 1.0,
+        "the delivery that never arrived is counted as lost"
+    );
+    let (status, body) = daemon.route(&prompt(published, 1), json!({})).await;
+    assert_eq!(
+        (status, &body["worker"], &body["matched_blocks"]),
+        (200, &json!("w"), &json!(1)),
+        "the batch delivered again is applied like any other: {body}"
     );
 }
