@@ -63,8 +63,7 @@ fn bytes_per_entry(blocks: u64, owners: usize) -> f64 {
     let mut seq = 0;
     for w in 0..owners {
         for part in 0..blocks / BATCH_BLOCKS {
-            seq += 1;
-            router.apply(&stamp(seq, stored_batch(w, 1, part)));
+            feed(&mut router, &mut seq, stored_batch(w, 1, part));
         }
     }
     // Different workers store the same locals under the same chain: shared blocks.
@@ -93,19 +92,26 @@ fn apply_stored_events(c: &mut Criterion) {
     group.finish();
 }
 
+/// Applies `input` as the next input of `router` (sequence `seq`, advanced).
+fn feed(router: &mut Router, seq: &mut u64, input: Input) {
+    *seq += 1;
+    router.apply(&stamp(*seq, input));
+}
+
 /// Times route decisions of `request`, releasing each reservation (untimed) before the next
 /// so reserved work stays bounded.
 fn time_routes(router: &mut Router, seq: &mut u64, request: &RouteRequest, iters: u64) -> Duration {
     let mut timed = Duration::ZERO;
     for _ in 0..iters {
-        *seq += 1;
-        router.apply(&stamp(
-            *seq,
+        let reservation = *seq;
+        feed(
+            router,
+            seq,
             Input::Release {
-                reservation: *seq - 1,
+                reservation,
                 phase: None,
             },
-        ));
+        );
         *seq += 1;
         let input = stamp(*seq, Input::Route(request.clone()));
         let start = Instant::now();
@@ -148,13 +154,15 @@ fn route_large_fleet(c: &mut Criterion) {
     let mut router = Router::new(config());
     let mut seq = 0;
     for w in 0..SLOTS {
-        seq += 1;
-        router.apply(&stamp(seq, load(w, if w % 10 == 0 { 0.95 } else { 0.5 })));
+        feed(
+            &mut router,
+            &mut seq,
+            load(w, if w % 10 == 0 { 0.95 } else { 0.5 }),
+        );
     }
     for w in [11, 77_777] {
         for part in 0..2 {
-            seq += 1;
-            router.apply(&stamp(seq, stored_batch(w, 1, part)));
+            feed(&mut router, &mut seq, stored_batch(w, 1, part));
         }
     }
     let held = request(chain_locals((0..64).map(|i| (1u64 << 20) | i)));
@@ -177,15 +185,12 @@ fn route_long_prompt(c: &mut Criterion) {
     // we route, so the walk goes the whole depth.
     for w in 0..64 {
         for part in 0..1024 / BATCH_BLOCKS {
-            seq += 1;
-            router.apply(&stamp(seq, stored_batch(w, 100 + w as u64, part)));
+            feed(&mut router, &mut seq, stored_batch(w, 100 + w as u64, part));
         }
-        seq += 1;
-        router.apply(&stamp(seq, load(w, 0.5)));
+        feed(&mut router, &mut seq, load(w, 0.5));
     }
     for part in 0..1024 / BATCH_BLOCKS {
-        seq += 1;
-        router.apply(&stamp(seq, stored_batch(7, 1, part)));
+        feed(&mut router, &mut seq, stored_batch(7, 1, part));
     }
     let request = request(chain_locals((0..1024).map(|i| (1u64 << 20) | i)));
     let mut group = c.benchmark_group("route");
@@ -204,10 +209,8 @@ fn route_shared_prefix(c: &mut Criterion) {
     let mut router = Router::new(config());
     let mut seq = 0;
     for w in 0..WORKERS {
-        seq += 1;
-        router.apply(&stamp(seq, load(w, 0.5)));
-        seq += 1;
-        router.apply(&stamp(seq, stored_batch(w, 1, 0)));
+        feed(&mut router, &mut seq, load(w, 0.5));
+        feed(&mut router, &mut seq, stored_batch(w, 1, 0));
     }
     let request = request(chain_locals((0..BATCH_BLOCKS).map(|i| (1u64 << 20) | i)));
     let mut group = c.benchmark_group("route");

@@ -62,9 +62,82 @@ impl DeliveryOrder {
     }
 }
 
+/// What a quiet feed's check of its consumer found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Quiet {
+    /// Deliveries the consumer counts never arrived, at two checks in a row with nothing in
+    /// between: lost, not in transit.
+    Lost { missing: u64 },
+    /// Nothing lost and nothing pending: every message the consumer can deliver arrived.
+    NothingLeft,
+    /// Nothing to act on yet.
+    Wait,
+}
+
+/// The rule of a feed's quiet checks (`jetstream::QUIET_CHECK`): a loss at the end of a burst
+/// has no later delivery to reveal it, so a feed with no delivery for a whole period asks its
+/// consumer for its counts.
+#[derive(Debug, Default)]
+pub(super) struct QuietWatch {
+    arrived: bool,
+    unseen_before: bool,
+}
+
+impl QuietWatch {
+    /// A delivery arrived.
+    pub(super) fn arrived(&mut self) {
+        self.arrived = true;
+    }
+
+    /// At the end of a period: whether none arrived during it, so the consumer is asked.
+    pub(super) fn quiet(&mut self) -> bool {
+        if std::mem::take(&mut self.arrived) {
+            self.unseen_before = false;
+            return false;
+        }
+        true
+    }
+
+    /// Judges the consumer's answer: deliveries it counts that never arrived here
+    /// ([`DeliveryOrder::unseen`]), and messages it still has to deliver. An unanswered check
+    /// is judged as `(0, 1)`: nothing found.
+    pub(super) fn judge(&mut self, unseen: u64, pending: u64) -> Quiet {
+        let lost = unseen > 0 && self.unseen_before;
+        self.unseen_before = unseen > 0;
+        match (unseen, pending) {
+            _ if lost => Quiet::Lost { missing: unseen },
+            (0, 0) => Quiet::NothingLeft,
+            _ => Quiet::Wait,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unseen_deliveries_are_lost_only_at_two_quiet_checks_in_a_row() {
+        let mut watch = QuietWatch::default();
+        assert!(watch.quiet());
+        assert_eq!(watch.judge(2, 0), Quiet::Wait, "once may be in transit");
+        assert!(watch.quiet());
+        assert_eq!(watch.judge(2, 0), Quiet::Lost { missing: 2 });
+
+        let mut watch = QuietWatch::default();
+        assert!(watch.quiet());
+        assert_eq!(watch.judge(1, 0), Quiet::Wait);
+        watch.arrived();
+        assert!(!watch.quiet(), "a period with a delivery asks nothing");
+        assert!(watch.quiet());
+        assert_eq!(
+            watch.judge(1, 0),
+            Quiet::Wait,
+            "a delivery between two checks starts the count over"
+        );
+        assert_eq!(watch.judge(0, 0), Quiet::NothingLeft);
+        assert_eq!(watch.judge(0, 3), Quiet::Wait, "messages still to deliver");
+    }
 
     #[test]
     fn after_a_start_at_the_consumers_count_a_first_delivery_past_it_is_a_lost_delivery() {

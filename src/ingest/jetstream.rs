@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::{FutureExt, StreamExt};
 
-use super::delivery::{Delivery, DeliveryOrder};
+use super::delivery::{Delivery, DeliveryOrder, Quiet, QuietWatch};
 use super::streams::{consumer_exists, ensure_stream, forget_consumer, rewind_to_ack_floor};
 use super::{decode, IngestSettings};
 use crate::prom::reject;
@@ -122,14 +122,9 @@ pub(super) async fn run(
             // Set when the broker came back without the stream or the consumer: what is still
             // buffered here was delivered before and is handed over, then both are recreated.
             let mut draining = false;
-            // Whether a delivery arrived since the last quiet check, and whether that check
-            // found deliveries the consumer counts that never arrived.
-            let mut arrived = false;
-            let mut unseen_before = false;
-            let mut quiet = tokio::time::interval_at(
-                tokio::time::Instant::now() + QUIET_CHECK,
-                QUIET_CHECK,
-            );
+            let mut watch = QuietWatch::default();
+            let mut quiet =
+                tokio::time::interval_at(tokio::time::Instant::now() + QUIET_CHECK, QUIET_CHECK);
             quiet.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 let msg = if draining {
@@ -155,44 +150,41 @@ pub(super) async fn run(
                             continue;
                         }
                         _ = quiet.tick() => {
-                            if std::mem::take(&mut arrived) {
-                                unseen_before = false;
+                            if !watch.quiet() {
                                 continue;
                             }
-                            let (unseen, pending) = match consumer.info().await {
-                                Ok(info) => (
+                            let found = match consumer.info().await {
+                                Ok(info) => watch.judge(
                                     order.unseen(info.delivered.consumer_sequence),
                                     info.num_pending,
                                 ),
-                                Err(_) => (0, 1),
+                                Err(_) => watch.judge(0, 1),
                             };
-                            // Quiet, nothing lost and nothing left: the backlog's last messages
-                            // are gone from the stream (limits), so no delivery reaches `target`.
-                            if unseen == 0
-                                && pending == 0
-                                && mark_caught_up(&writer, &status, feed, &mut marker_sent)
-                                    .await
-                                    .is_err()
-                            {
-                                return Ok(());
+                            match found {
+                                Quiet::Lost { missing } => {
+                                    return Err(lost_deliveries(
+                                        feed,
+                                        missing,
+                                        "the consumer delivered messages that never arrived, \
+                                         and none came after them",
+                                    ));
+                                }
+                                // The backlog's last messages are gone from the stream
+                                // (limits), so no delivery reaches `target`.
+                                Quiet::NothingLeft => {
+                                    if mark_caught_up(&writer, &status, feed, &mut marker_sent)
+                                        .await
+                                        .is_err()
+                                    {
+                                        return Ok(());
+                                    }
+                                }
+                                Quiet::Wait => {}
                             }
-                            // Seen on two quiet checks in a row, so not merely in transit.
-                            if unseen > 0 && unseen_before {
-                                metrics::counter!("kvrouted_ingest_lost_deliveries_total", "feed" => feed.name())
-                                    .increment(unseen);
-                                tracing::warn!(
-                                    feed = feed.name(),
-                                    missing = unseen,
-                                    "the consumer delivered messages that never arrived, and \
-                                     none came after them: delivering again from the ack floor"
-                                );
-                                return Err(Interrupt::LostDeliveries);
-                            }
-                            unseen_before = unseen > 0;
                             continue;
                         }
                     };
-                    arrived = true;
+                    watch.arrived();
                     let Some(msg) = msg else { break };
                     msg.map_err(|e| format!("message stream: {e}"))?
                 };
@@ -205,16 +197,15 @@ pub(super) async fn run(
                         Delivery::Lost { missing } => {
                             // Applying this one and acknowledging it (cumulatively) would
                             // drop the lost ones for good, and apply events out of order.
-                            metrics::counter!("kvrouted_ingest_lost_deliveries_total", "feed" => feed.name())
-                                .increment(missing);
-                            tracing::warn!(
-                                feed = feed.name(),
+                            return Err(lost_deliveries(
+                                feed,
                                 missing,
-                                stream_seq = info.stream_sequence,
-                                "deliveries from the consumer were lost in transit (a server \
-                                 went away): delivering again from the ack floor"
-                            );
-                            return Err(Interrupt::LostDeliveries);
+                                &format!(
+                                    "deliveries before stream sequence {} were lost in transit \
+                                     (a server went away)",
+                                    info.stream_sequence
+                                ),
+                            ));
                         }
                     }
                     if feed == Feed::Events {
@@ -370,6 +361,19 @@ impl Acknowledge for JetStreamAck {
     fn ack(&self) -> AckFuture<'_> {
         Box::pin(async move { self.0.ack().await.map_err(|e| e.to_string()) })
     }
+}
+
+/// Counts and logs `missing` deliveries that never arrived (`what` says how that was found);
+/// the feed then starts over, which rewinds the consumer to its ack floor.
+fn lost_deliveries(feed: Feed, missing: u64, what: &str) -> Interrupt {
+    metrics::counter!("kvrouted_ingest_lost_deliveries_total", "feed" => feed.name())
+        .increment(missing);
+    tracing::warn!(
+        feed = feed.name(),
+        missing,
+        "{what}: delivering again from the ack floor"
+    );
+    Interrupt::LostDeliveries
 }
 
 /// How long a feed is quiet before it asks its consumer whether deliveries went missing.
