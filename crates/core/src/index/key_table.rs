@@ -1,6 +1,7 @@
-//! A `u64 → u64` hash table for the two maps a route walks block by block: the owner map (block
-//! key → packed owners, shared by every worker) and approximate ownership (block key → packed
-//! routing records).
+//! A `u64 → u64` hash table for the index's maps: the two a route walks block by block, the
+//! owner map (block key → packed owners, shared by every worker) and approximate ownership
+//! (block key → packed routing records), and each worker rank's engine-hash map (engine hash →
+//! block key).
 //!
 //! Linear probing with backward-shift deletion, so a removal leaves no tombstone behind. That is
 //! the reason this table exists: hashbrown marks removed buckets as tombstones, and under the
@@ -12,9 +13,11 @@
 //! mostly tags: inserting a new key (a probe that ends at a free tag) does not wait for a cache
 //! miss on the 16-byte buckets, and the bucket itself is only written.
 //!
-//! The price of the higher load is speed under churn: a remove plus an insert costs about 1.6×
-//! hashbrown's at the load hashbrown settles at (`docs/performance.md`, Round 4). So the
-//! per-worker engine-hash maps, which see the same churn, stay hashbrown tables.
+//! The price of the higher load is speed under churn: one remove plus one insert costs about
+//! 1.6× hashbrown's at the load hashbrown settles at (`docs/performance.md`, Round 4). A batch
+//! of them does not: every pass over a stored or removed batch asks for its entries a few
+//! blocks ahead ([`ahead`]), which hashbrown offers no way to do, so their cache misses overlap
+//! (Round 5, fourth part: the engine maps moved here and apply got faster and smaller).
 //!
 //! Keys are hashes already (xxh3 chains), but gateways may send any `u64` as a block key, so the
 //! bucket is picked by a multiplicative (Fibonacci) hash of the key's bits: keys that differ

@@ -1,6 +1,6 @@
 //! Authoritative ownership from KV events.
 
-use super::key_table::ahead;
+use super::key_table::{ahead, KeyTable};
 use super::owner_map::OwnerMap;
 use super::{NsId, Slot};
 use crate::hashing::chain;
@@ -10,10 +10,13 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 /// One worker rank's blocks in one namespace: engine hash → block key. Removals name engine
-/// hashes, which are opaque, so this map is how a removal finds the key it drops.
+/// hashes, which are opaque, so this map is how a removal finds the key it drops. A
+/// [`KeyTable`], as the owner map is, so a stored or removed batch asks for its entries a few
+/// blocks ahead (hashbrown cannot be asked) and churn leaves no tombstones; it is written as
+/// the map it replaced.
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 struct EngineMap {
-    keys: FxHashMap<u64, u64>,
+    keys: KeyTable,
     /// Engine hashes stored more than once (two physical copies, or a publisher that reports
     /// every store again): the stores beyond the first, each needing its own removal. Kept
     /// apart so the common single store costs nothing extra.
@@ -81,14 +84,7 @@ impl OwnerIndex {
 
     /// The block key `slot` stored under `engine_hash` in `ns`, if any.
     pub fn key_of(&self, slot: Slot, ns: NsId, engine_hash: u64) -> Option<u64> {
-        self.workers
-            .get(slot as usize)?
-            .iter()
-            .find(|(n, _)| *n == ns)?
-            .1
-            .keys
-            .get(&engine_hash)
-            .copied()
+        self.engine_map(slot, ns)?.keys.get(engine_hash)
     }
 
     /// Applies a `BlockStored` event whose parent block has key `parent_key` (None: the blocks
@@ -118,9 +114,19 @@ impl OwnerIndex {
             for &next in ahead(&keys, i) {
                 self.prefetch(ns, next);
             }
+            if let Some(map) = self.engine_map(slot, ns) {
+                for next in ahead(blocks, i) {
+                    map.keys.prefetch(next.engine_hash);
+                }
+            }
             self.store_keyed(slot, ns, block.engine_hash, key);
         }
         parent_key
+    }
+
+    fn engine_map(&self, slot: Slot, ns: NsId) -> Option<&EngineMap> {
+        let maps = self.workers.get(slot as usize)?;
+        maps.iter().find(|(n, _)| *n == ns).map(|(_, map)| map)
     }
 
     fn prefetch(&self, ns: NsId, key: u64) {
@@ -137,7 +143,13 @@ impl OwnerIndex {
             return Vec::new();
         };
         let mut dropped = Vec::new();
-        for hash in engine_hashes {
+        for (i, hash) in engine_hashes.iter().enumerate() {
+            // As in `store`: the engine maps' entries are asked for a few hashes ahead.
+            for &next in ahead(engine_hashes, i) {
+                for (_, map) in maps.iter() {
+                    map.keys.prefetch(next);
+                }
+            }
             for (ns, map) in maps.iter_mut() {
                 if let Some(extra) = map.extra_stores.get_mut(hash) {
                     *extra -= 1;
@@ -146,7 +158,7 @@ impl OwnerIndex {
                     }
                     break;
                 }
-                if let Some(key) = map.keys.remove(hash) {
+                if let Some(key) = map.keys.remove(*hash) {
                     dropped.push((*ns, key));
                     break;
                 }
@@ -171,7 +183,7 @@ impl OwnerIndex {
         let maps = std::mem::take(maps);
         let mut count = 0;
         for (ns, map) in maps {
-            for key in map.keys.into_values() {
+            for (_, key) in map.keys.iter() {
                 self.remove_owner(ns, key, slot);
                 count += 1;
             }
@@ -205,7 +217,7 @@ impl OwnerIndex {
         };
         let (_, moved) = maps.swap_remove(i);
         let count = moved.keys.len();
-        for (&hash, &key) in &moved.keys {
+        for (hash, key) in moved.keys.iter() {
             self.remove_owner(from, key, slot);
             let stores = 1 + moved.extra_stores.get(&hash).copied().unwrap_or(0);
             for _ in 0..stores {
@@ -263,8 +275,9 @@ impl OwnerIndex {
     /// Every (slot, namespace, key) ownership, for tests and audits.
     pub fn ownerships(&self) -> impl Iterator<Item = (Slot, NsId, u64)> + '_ {
         self.workers.iter().enumerate().flat_map(|(slot, maps)| {
-            maps.iter()
-                .flat_map(move |(ns, map)| map.keys.values().map(move |&k| (slot as Slot, *ns, k)))
+            maps.iter().flat_map(move |(ns, map)| {
+                map.keys.iter().map(move |(_, k)| (slot as Slot, *ns, k))
+            })
         })
     }
 
