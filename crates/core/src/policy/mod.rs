@@ -428,10 +428,13 @@ pub(crate) fn no_owner_label(config: &PolicyConfig, view: &RouteView) -> Decisio
     }
 }
 
+/// The positions of the listed workers `keep` accepts. Counted first, so a set past the inline
+/// room (the owners of a shared prefix) is allocated once rather than grown step by step.
 pub(crate) fn positions(view: &RouteView, keep: impl Fn(&WorkerView) -> bool) -> Positions {
-    (0..view.workers.len())
-        .filter(|&i| keep(&view.workers[i]))
-        .collect()
+    let count = view.workers.iter().filter(|w| keep(w)).count();
+    let mut kept = Positions::with_capacity(count);
+    kept.extend((0..view.workers.len()).filter(|&i| keep(&view.workers[i])));
+    kept
 }
 
 /// Orders missing pressure after every known one.

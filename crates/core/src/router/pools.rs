@@ -100,7 +100,7 @@ impl RouteScratch {
     }
 
     /// Ends a route: zeroes the rows its walks touched and keeps the excluded ranks' buffer.
-    pub(super) fn finish(mut self, mut excluded: Vec<Slot>) -> Self {
+    pub(super) fn finish(&mut self, mut excluded: Vec<Slot>) {
         // Past a quarter of the rows, one sequential fill beats scattered stores.
         if self.touched.len() * 4 >= self.depth.len() {
             self.depth.fill([0; 4]);
@@ -113,7 +113,6 @@ impl RouteScratch {
         self.deepest = [0; 4];
         excluded.clear();
         self.excluded = excluded;
-        self
     }
 
     /// Brings the pools up to date for a route at `now`.
@@ -378,6 +377,9 @@ pub(super) struct RouteFleet<'a> {
 impl RouteFleet<'_> {
     /// The members of `pool` among the excluded ranks and `minus`, ascending, each once.
     fn left_out(&self, pool: Pool, minus: &[Slot]) -> SmallVec<[Slot; 8]> {
+        if self.excluded.is_empty() && minus.is_empty() {
+            return SmallVec::new();
+        }
         let mut out: SmallVec<[Slot; 8]> = self
             .excluded
             .iter()

@@ -14,23 +14,31 @@ use crate::workers::Worker;
 
 impl Router {
     /// Walks `keys` through device, approximate, host and disk ownership into `scratch`: each
-    /// rank's longest consecutive match per tier, and the ranks with any.
-    fn walk_depths(&self, scratch: &mut RouteScratch, ns: Option<NsId>, keys: &[u64], now: u64) {
-        scratch.prepare(self.state.workers.slot_count());
+    /// rank's longest consecutive match per tier, and the ranks with any. (The scratch is the
+    /// router's own, borrowed beside the state rather than moved out of the router: it holds
+    /// the pools, a few hundred bytes a route would otherwise copy out and back.)
+    fn walk_depths(
+        state: &RouterState,
+        scratch: &mut RouteScratch,
+        ns: Option<NsId>,
+        keys: &[u64],
+        now: u64,
+    ) {
+        scratch.prepare(state.workers.slot_count());
         let Some(ns) = ns else {
             return;
         };
         let tiers = [
-            (DEVICE, &self.state.index),
-            (HOST, &self.state.lower.host),
-            (DISK, &self.state.lower.disk),
+            (DEVICE, &state.index),
+            (HOST, &state.lower.host),
+            (DISK, &state.lower.disk),
         ];
         for (tier, index) in tiers {
             index.walk(ns, keys, |i, owners| {
                 scratch.extend(tier, i, owners.iter().copied())
             });
         }
-        self.state
+        state
             .approx
             .walk(ns, keys, now, |i, owners| scratch.extend(APPROX, i, owners));
     }
@@ -209,32 +217,32 @@ impl Router {
             .state
             .namespaces
             .get(req.model.as_deref(), req.lora.as_deref());
-        let mut scratch = std::mem::take(&mut self.scratch);
         let mut policy_state = std::mem::take(&mut self.state.policy);
-        scratch.sync_pools(&mut self.state.workers, &self.config.policy, now);
-        self.walk_depths(&mut scratch, ns, &req.keys, now);
+        self.scratch
+            .sync_pools(&mut self.state.workers, &self.config.policy, now);
+        Self::walk_depths(&self.state, &mut self.scratch, ns, &req.keys, now);
         let max_age = self.config.policy.telemetry_max_age_ms;
         let block_size = self.block_size_of(req.model.as_deref());
         // Every live rank of an excluded worker, ascending: looked up per rank, so the cost of a
         // route does not grow with the product of the fleet and the exclude list.
-        let mut excluded = std::mem::take(&mut scratch.excluded);
+        let mut excluded = std::mem::take(&mut self.scratch.excluded);
         for id in &req.exclude {
             excluded.extend(self.state.workers.slots_of(id));
         }
         excluded.sort_unstable();
         excluded.dedup();
         // Read-only from here until the route ends: views and the fleet borrow it.
-        let scratch = scratch;
+        let scratch = &self.scratch;
         let model = req.model.as_deref();
         let view_of = |slot: Slot| {
             let w = self.state.workers.get(slot).expect("a live rank");
-            self.view_of(&scratch, slot, w, model, &excluded, now)
+            self.view_of(scratch, slot, w, model, &excluded, now)
         };
         // Pressure-first decides on the matched ranks and the fleet's pools; explain rows and the
         // baselines see every worker.
         let sparse = self.config.policy.kind == PolicyKind::PressureFirst && !req.explain;
         let views: Vec<WorkerView> = if sparse {
-            let mut views = self.listed_views(&scratch, req.keys.len(), &view_of);
+            let mut views = self.listed_views(scratch, req.keys.len(), &view_of);
             // The provisional owner of the longest match's prefix, which the policy may add to
             // the known owners.
             let deepest = views
@@ -279,11 +287,11 @@ impl Router {
             provisional: &provisional,
             fleet: sparse.then_some(&fleet as &dyn policy::Fleet),
         };
-        let mut rng = ChaCha8Rng::seed_from_u64(seq);
+        let mut rng = SeededOnDraw::new(seq);
         let choice = policy::decide(&self.config.policy, &mut policy_state, &view, &mut rng);
         let Some(choice) = choice else {
             self.state.policy = policy_state;
-            self.scratch = scratch.finish(excluded);
+            self.scratch.finish(excluded);
             return None;
         };
         let chosen = view_of(choice.slot);
@@ -338,7 +346,7 @@ impl Router {
                 .collect()
         });
         self.state.policy = policy_state;
-        self.scratch = scratch.finish(excluded);
+        self.scratch.finish(excluded);
 
         // Effects, inside the same transition that chose the worker.
         let output = req
@@ -397,5 +405,65 @@ fn serves_model(worker_model: Option<&str>, requested: Option<&str>) -> bool {
     match (worker_model, requested) {
         (Some(w), Some(r)) => w == r,
         _ => true,
+    }
+}
+
+/// The route's random draws: ChaCha8 seeded with the input's sequence number, as every route
+/// has been since the first journal, so replays draw the same numbers. Seeding (and the first
+/// block of the stream) costs more than many a decision, and most decisions hold on an owner
+/// without drawing, so the generator is only made at the first draw.
+struct SeededOnDraw {
+    seed: u64,
+    rng: Option<ChaCha8Rng>,
+}
+
+impl SeededOnDraw {
+    fn new(seed: u64) -> Self {
+        SeededOnDraw { seed, rng: None }
+    }
+
+    fn rng(&mut self) -> &mut ChaCha8Rng {
+        let seed = self.seed;
+        self.rng
+            .get_or_insert_with(|| ChaCha8Rng::seed_from_u64(seed))
+    }
+}
+
+impl rand::RngCore for SeededOnDraw {
+    fn next_u32(&mut self) -> u32 {
+        self.rng().next_u32()
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.rng().next_u64()
+    }
+
+    fn fill_bytes(&mut self, dst: &mut [u8]) {
+        self.rng().fill_bytes(dst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, RngCore};
+
+    #[test]
+    fn seeding_on_the_first_draw_draws_what_seeding_up_front_draws() {
+        for seed in [0, 1, 7, u64::MAX] {
+            let mut eager = ChaCha8Rng::seed_from_u64(seed);
+            let mut lazy = SeededOnDraw::new(seed);
+            for round in 0..40 {
+                let (a, b) = match round % 3 {
+                    0 => (u64::from(eager.next_u32()), u64::from(lazy.next_u32())),
+                    1 => (eager.next_u64(), lazy.next_u64()),
+                    _ => (eager.random_range(0..17), lazy.random_range(0..17)),
+                };
+                assert_eq!(
+                    a, b,
+                    "seed {seed}, draw {round}: a replay must draw the same numbers"
+                );
+            }
+        }
     }
 }
