@@ -23,6 +23,33 @@ struct EngineMap {
     extra_stores: FxHashMap<u64, u32>,
 }
 
+impl EngineMap {
+    /// Records one store of `engine_hash` with a known `key` by `slot`, owned in `owners` (its
+    /// namespace's owner map). The same hash stored again under the same key counts one more
+    /// store; under another key (the engine reused the hash for other content) the new content
+    /// replaces the old. Returns the change in (block, owner) entries.
+    fn store(&mut self, owners: &mut OwnerMap, slot: Slot, engine_hash: u64, key: u64) -> i64 {
+        match self.keys.insert(engine_hash, key) {
+            Some(old) if old == key => {
+                *self.extra_stores.entry(engine_hash).or_insert(0) += 1;
+                0
+            }
+            Some(old) => {
+                self.extra_stores.remove(&engine_hash);
+                // Ends the old key's ownership; the router's records of it are not dropped, as
+                // the engine never said it evicted that content.
+                let ended = owners.remove(old, slot);
+                owners.add(key, slot);
+                1 - i64::from(ended)
+            }
+            None => {
+                owners.add(key, slot);
+                1
+            }
+        }
+    }
+}
+
 /// Content key → owners per namespace, plus each worker rank's engine-hash map.
 ///
 /// Invariant: `slot ∈ blocks[ns][key]` exactly as many times as `workers[slot]` maps an engine
@@ -49,7 +76,12 @@ pub struct IndexStats {
 }
 
 impl OwnerIndex {
-    fn worker_map(&mut self, slot: Slot, ns: NsId) -> &mut EngineMap {
+    /// The owner map of `ns` and the engine map of (`slot`, `ns`), each created if missing. A
+    /// stored batch looks both up once, not once per block.
+    fn maps_mut(&mut self, slot: Slot, ns: NsId) -> (&mut OwnerMap, &mut EngineMap) {
+        if self.blocks.len() <= ns as usize {
+            self.blocks.resize_with(ns as usize + 1, OwnerMap::default);
+        }
         let slot = slot as usize;
         if self.workers.len() <= slot {
             self.workers.resize_with(slot + 1, Vec::new);
@@ -62,16 +94,14 @@ impl OwnerIndex {
                 maps.len() - 1
             }
         };
-        &mut maps[i].1
+        (&mut self.blocks[ns as usize], &mut maps[i].1)
     }
 
-    fn add_owner(&mut self, ns: NsId, key: u64, slot: Slot) {
-        let ns = ns as usize;
-        if self.blocks.len() <= ns {
-            self.blocks.resize_with(ns + 1, OwnerMap::default);
-        }
-        self.blocks[ns].add(key, slot);
-        self.entries += 1;
+    /// Records one store of `engine_hash` with a known `key` by `slot` and counts its entry.
+    fn store_keyed(&mut self, slot: Slot, ns: NsId, engine_hash: u64, key: u64) {
+        let (owners, map) = self.maps_mut(slot, ns);
+        let added = map.store(owners, slot, engine_hash, key);
+        self.entries = self.entries.wrapping_add_signed(added);
     }
 
     fn remove_owner(&mut self, ns: NsId, key: u64, slot: Slot) {
@@ -110,17 +140,21 @@ impl OwnerIndex {
                 key
             })
             .collect();
+        if blocks.is_empty() {
+            return parent_key;
+        }
+        let (owners, map) = self.maps_mut(slot, ns);
+        let mut added = 0;
         for (i, (block, &key)) in blocks.iter().zip(&keys).enumerate() {
             for &next in ahead(&keys, i) {
-                self.prefetch(ns, next);
+                owners.prefetch(next);
             }
-            if let Some(map) = self.engine_map(slot, ns) {
-                for next in ahead(blocks, i) {
-                    map.keys.prefetch(next.engine_hash);
-                }
+            for next in ahead(blocks, i) {
+                map.keys.prefetch(next.engine_hash);
             }
-            self.store_keyed(slot, ns, block.engine_hash, key);
+            added += map.store(owners, slot, block.engine_hash, key);
         }
+        self.entries = self.entries.wrapping_add_signed(added);
         parent_key
     }
 
@@ -225,26 +259,6 @@ impl OwnerIndex {
             }
         }
         count
-    }
-
-    /// Records one store of `engine_hash` with a known `key`. The same hash stored again under
-    /// the same key counts one more store; under another key (the engine reused the hash for
-    /// other content) the new content replaces the old.
-    fn store_keyed(&mut self, slot: Slot, ns: NsId, engine_hash: u64, key: u64) {
-        let map = self.worker_map(slot, ns);
-        match map.keys.insert(engine_hash, key) {
-            Some(old) if old == key => {
-                *map.extra_stores.entry(engine_hash).or_insert(0) += 1;
-            }
-            Some(old) => {
-                map.extra_stores.remove(&engine_hash);
-                // Ends the old key's ownership; the router's records of it are not dropped, as
-                // the engine never said it evicted that content.
-                self.remove_owner(ns, old, slot);
-                self.add_owner(ns, key, slot);
-            }
-            None => self.add_owner(ns, key, slot),
-        }
     }
 
     /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
