@@ -391,6 +391,34 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_hash_stored_again_for_other_content_moves_its_one_entry() {
+        let mut index = OwnerIndex::default();
+        index.store(0, 0, None, &blocks(&[1]));
+        // The engine reuses hash 1001 for other content: the new key replaces the old one.
+        let reused = [StoredBlock {
+            engine_hash: 1001,
+            local: 9,
+        }];
+        index.store(0, 0, None, &reused);
+        let (old, new) = (chain_locals([1])[0], chain_locals([9])[0]);
+        assert!(
+            !index.owns(0, old, 0),
+            "the replaced content is no longer owned"
+        );
+        assert!(index.owns(0, new, 0), "the new content is owned");
+        assert_eq!(
+            index.stats(),
+            IndexStats {
+                blocks: 1,
+                entries: 1
+            },
+            "a replacement moves the rank's one entry, it does not add one"
+        );
+        assert_eq!(index.remove(0, &[1001]), vec![(0, new)]);
+        assert_eq!(index.stats(), IndexStats::default());
+    }
+
+    #[test]
     fn moving_a_namespace_keeps_keys_and_store_counts() {
         let mut index = OwnerIndex::default();
         index.store(0, 0, None, &blocks(&[1, 2]));
