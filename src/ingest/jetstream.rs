@@ -150,17 +150,7 @@ pub(super) async fn run(
                             continue;
                         }
                         _ = quiet.tick() => {
-                            if !watch.quiet() {
-                                continue;
-                            }
-                            let found = match consumer.info().await {
-                                Ok(info) => watch.judge(
-                                    order.unseen(info.delivered.consumer_sequence),
-                                    info.num_pending,
-                                ),
-                                Err(_) => watch.judge(0, 1),
-                            };
-                            match found {
+                            match quiet_check(&mut consumer, &order, &mut watch).await {
                                 Quiet::Lost { missing } => {
                                     return Err(lost_deliveries(
                                         feed,
@@ -374,6 +364,26 @@ fn lost_deliveries(feed: Feed, missing: u64, what: &str) -> Interrupt {
         "{what}: delivering again from the ack floor"
     );
     Interrupt::LostDeliveries
+}
+
+/// At the end of a quiet-check period: when no delivery arrived during it, asks the consumer
+/// for its counts and judges them ([`QuietWatch`]); otherwise, or when the consumer does not
+/// answer, finds nothing.
+async fn quiet_check(
+    consumer: &mut jetstream::consumer::Consumer<pull::Config>,
+    order: &DeliveryOrder,
+    watch: &mut QuietWatch,
+) -> Quiet {
+    if !watch.quiet() {
+        return Quiet::Wait;
+    }
+    match consumer.info().await {
+        Ok(info) => watch.judge(
+            order.unseen(info.delivered.consumer_sequence),
+            info.num_pending,
+        ),
+        Err(_) => watch.judge(0, 1),
+    }
 }
 
 /// How long a feed is quiet before it asks its consumer whether deliveries went missing.

@@ -129,6 +129,9 @@ impl OwnerIndex {
         mut parent_key: Option<u64>,
         blocks: &[StoredBlock],
     ) -> Option<u64> {
+        if blocks.is_empty() {
+            return parent_key;
+        }
         // Each key chains on the one before it, so they are computed first: the owner table
         // then starts loading a block's entry a few blocks ahead of its insert, and a batch's
         // cache misses overlap instead of waiting one behind the other.
@@ -140,9 +143,6 @@ impl OwnerIndex {
                 key
             })
             .collect();
-        if blocks.is_empty() {
-            return parent_key;
-        }
         let (owners, map) = self.maps_mut(slot, ns);
         let mut added = 0;
         for (i, (block, &key)) in blocks.iter().zip(&keys).enumerate() {
