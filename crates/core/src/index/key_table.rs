@@ -19,6 +19,9 @@
 //! blocks ahead ([`ahead`]), which hashbrown offers no way to do, so their cache misses overlap
 //! (Round 5, fourth part: the engine maps moved here and apply got faster and smaller).
 //!
+//! A large table's two arrays sit on huge pages where the kernel offers them
+//! ([`TableArray`]), so a probe of a random bucket does not also miss the TLB.
+//!
 //! Keys are hashes already (xxh3 chains), but gateways may send any `u64` as a block key, so the
 //! bucket is picked by a multiplicative (Fibonacci) hash of the key's bits: keys that differ
 //! only in their high or low bits still spread.
@@ -28,6 +31,8 @@ use std::fmt;
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::table_memory::TableArray;
 
 /// The tag of a free bucket. A used bucket's tag has its top bit set.
 const FREE: u8 = 0;
@@ -57,9 +62,9 @@ pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
 pub struct KeyTable {
     /// One per bucket: [`FREE`], or a used bucket's tag ([`KeyTable::tag`] of its key). Length
     /// is zero or a power of two.
-    tags: Box<[u8]>,
+    tags: TableArray<u8>,
     /// `(key, value)`, meaningful where the tag is not free.
-    buckets: Box<[(u64, u64)]>,
+    buckets: TableArray<(u64, u64)>,
     len: usize,
     /// `64 - log2(buckets)`: the hash's top bits pick the bucket.
     shift: u32,
@@ -68,8 +73,8 @@ pub struct KeyTable {
 impl Default for KeyTable {
     fn default() -> Self {
         KeyTable {
-            tags: Box::new([]),
-            buckets: Box::new([]),
+            tags: TableArray::empty(),
+            buckets: TableArray::empty(),
             len: 0,
             shift: 64,
         }
@@ -249,8 +254,9 @@ impl KeyTable {
 
     fn resize(&mut self, buckets: usize) {
         debug_assert!(buckets.is_power_of_two() && self.len * MAX_LOAD.1 <= buckets * MAX_LOAD.0);
-        let old_tags = std::mem::replace(&mut self.tags, vec![FREE; buckets].into_boxed_slice());
-        let old = std::mem::replace(&mut self.buckets, vec![(0, 0); buckets].into_boxed_slice());
+        // FREE is zero: a zeroed tag array is all free.
+        let old_tags = std::mem::replace(&mut self.tags, TableArray::zeroed(buckets));
+        let old = std::mem::replace(&mut self.buckets, TableArray::zeroed(buckets));
         self.shift = 64 - buckets.trailing_zeros();
         for (&tag, &(key, value)) in old_tags.iter().zip(old.iter()) {
             if tag != FREE {

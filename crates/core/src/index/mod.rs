@@ -17,6 +17,7 @@ mod key_table;
 mod owner_map;
 mod owners;
 mod slab;
+mod table_memory;
 
 pub use approx::ApproxIndex;
 pub use owners::{IndexStats, OwnerIndex};

@@ -1,0 +1,239 @@
+//! Zeroed arrays for [`KeyTable`](super::key_table::KeyTable)'s tags and buckets, on huge pages
+//! when they are large.
+//!
+//! A probe of the owner table lands on a random bucket of tens of megabytes. With the kernel's
+//! 4 KiB pages nearly every such probe also misses the TLB, and the page walk is a cache miss of
+//! its own, which a prefetch hides badly (a prefetch that misses the TLB stalls the core on some
+//! CPUs). An array of at least [`HUGE_PAGE`] bytes is therefore allocated on a huge-page
+//! boundary, marked `MADV_HUGEPAGE` before it is first written (fresh memory then faults in as
+//! 2 MiB pages) and, once zeroed, `MADV_COLLAPSE`d (memory the allocator hands back from
+//! earlier use already has small pages; the collapse replaces them at once instead of waiting
+//! for the kernel's background scan). Both are hints: where transparent huge pages are off
+//! (`never`), on an older kernel or off Linux, the array is the same memory on small pages.
+//! It is always allocated through the global allocator, so memory figures count it.
+
+use std::alloc::{self, Layout};
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+/// Arrays at least this large are aligned to it and offered huge pages.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Element types whose all-zero bytes are a valid value and that need no drop.
+///
+/// # Safety
+/// Implementors must be plain data for which every all-zero bit pattern is a valid value.
+pub(super) unsafe trait Zeroable: Copy {}
+
+// SAFETY: integers and tuples of integers: zero is a value, nothing to drop.
+unsafe impl Zeroable for u8 {}
+// SAFETY: as above.
+unsafe impl Zeroable for (u64, u64) {}
+
+/// A fixed-length, zero-initialised array owned like a `Box<[T]>`.
+pub(super) struct TableArray<T: Zeroable> {
+    ptr: NonNull<T>,
+    len: usize,
+}
+
+// SAFETY: the array owns its elements exclusively, as a `Box<[T]>` does.
+unsafe impl<T: Zeroable + Send> Send for TableArray<T> {}
+// SAFETY: shared access only hands out `&[T]`.
+unsafe impl<T: Zeroable + Sync> Sync for TableArray<T> {}
+
+impl<T: Zeroable> TableArray<T> {
+    /// An array of no elements (no allocation).
+    pub(super) fn empty() -> Self {
+        TableArray {
+            ptr: NonNull::dangling(),
+            len: 0,
+        }
+    }
+
+    /// `len` zeroed elements.
+    pub(super) fn zeroed(len: usize) -> Self {
+        let Some(layout) = Self::layout(len) else {
+            return Self::empty();
+        };
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc::alloc(layout) };
+        let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
+            alloc::handle_alloc_error(layout)
+        };
+        let huge = layout.align() == HUGE_PAGE;
+        if huge {
+            advise(raw, layout.size(), Advice::HugePages);
+        }
+        // SAFETY: `raw` is valid for `layout.size()` bytes; zero is a valid `T` (`Zeroable`).
+        unsafe { raw.write_bytes(0, layout.size()) };
+        if huge {
+            advise(raw, layout.size(), Advice::Collapse);
+        }
+        TableArray { ptr, len }
+    }
+
+    /// The allocation for `len` elements (`None` for no bytes): huge-page aligned when at least
+    /// a huge page long.
+    fn layout(len: usize) -> Option<Layout> {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .expect("table size overflows");
+        if bytes == 0 {
+            return None;
+        }
+        let align = if bytes >= HUGE_PAGE {
+            HUGE_PAGE
+        } else {
+            align_of::<T>()
+        };
+        Some(Layout::from_size_align(bytes, align).expect("table layout"))
+    }
+}
+
+/// What [`advise`] tells the kernel about a range.
+#[derive(Clone, Copy)]
+enum Advice {
+    /// Back the range with huge pages when it is faulted in (`MADV_HUGEPAGE`).
+    HugePages,
+    /// Replace the range's small pages with huge pages now (`MADV_COLLAPSE`, Linux 6.1).
+    Collapse,
+}
+
+/// Gives the kernel `advice` about one live allocation of ours. Errors are ignored: a kernel
+/// without the feature, or one that declines, leaves the memory as it was.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn advise(start: *mut u8, bytes: usize, advice: Advice) {
+    let advice = match advice {
+        Advice::HugePages => libc::MADV_HUGEPAGE,
+        Advice::Collapse => libc::MADV_COLLAPSE,
+    };
+    // SAFETY: the range is one live allocation, page aligned (huge-page aligned, in fact);
+    // these two advices change how the kernel backs it, never its contents.
+    unsafe {
+        libc::madvise(start.cast(), bytes, advice);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn advise(_start: *mut u8, _bytes: usize, _advice: Advice) {}
+
+impl<T: Zeroable> Drop for TableArray<T> {
+    fn drop(&mut self) {
+        if let Some(layout) = Self::layout(self.len) {
+            // SAFETY: allocated in `zeroed` with this same layout.
+            unsafe { alloc::dealloc(self.ptr.as_ptr().cast(), layout) }
+        }
+    }
+}
+
+impl<T: Zeroable> Deref for TableArray<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` holds `len` initialised elements (or dangles, aligned, for none).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Zeroable> DerefMut for TableArray<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Zeroable> Clone for TableArray<T> {
+    fn clone(&self) -> Self {
+        let mut copy = Self::zeroed(self.len);
+        copy.copy_from_slice(self);
+        copy
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_array_starts_zeroed_and_keeps_what_is_written() {
+        for len in [0, 1, 1000, HUGE_PAGE / 16 + 3] {
+            let mut array = TableArray::<(u64, u64)>::zeroed(len);
+            assert_eq!(array.len(), len);
+            assert!(
+                array.iter().all(|&e| e == (0, 0)),
+                "a new array is all zero"
+            );
+            if len > 0 {
+                array[len - 1] = (7, 9);
+                let copy = array.clone();
+                assert_eq!(copy[len - 1], (7, 9), "a clone holds what was written");
+                assert_eq!(copy.len(), len);
+            }
+        }
+    }
+
+    #[test]
+    fn a_huge_array_is_aligned_to_a_huge_page() {
+        let array = TableArray::<u8>::zeroed(HUGE_PAGE);
+        assert_eq!(
+            array.as_ptr() as usize % HUGE_PAGE,
+            0,
+            "an array a huge page long starts on a huge-page boundary, so every page of it can be one"
+        );
+        let small = TableArray::<u8>::zeroed(HUGE_PAGE - 1);
+        assert_eq!(small.len(), HUGE_PAGE - 1);
+    }
+
+    /// The kernel's transparent huge page mode (`always`, `madvise` or `never`), if it has one.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn transparent_huge_pages() -> Option<String> {
+        let modes = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+        let start = modes.find('[')? + 1;
+        let end = modes[start..].find(']')? + start;
+        Some(modes[start..end].to_owned())
+    }
+
+    /// Huge-page memory the kernel reports for the mapping that holds `address`, in KiB.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn huge_kib_of_mapping_at(address: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split(' ').next().unwrap_or("");
+            if let Some((from, to)) = range.split_once('-') {
+                if let (Ok(from), Ok(to)) = (
+                    usize::from_str_radix(from, 16),
+                    usize::from_str_radix(to, 16),
+                ) {
+                    inside = (from..to).contains(&address);
+                    continue;
+                }
+            }
+            if let (true, Some(kib)) = (inside, line.strip_prefix("AnonHugePages:")) {
+                return kib
+                    .trim()
+                    .trim_end_matches(" kB")
+                    .parse()
+                    .expect("a size in kB");
+            }
+        }
+        0
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn a_huge_array_is_backed_by_huge_pages_where_the_kernel_offers_them() {
+        let Some(mode) = transparent_huge_pages().filter(|mode| mode != "never") else {
+            eprintln!("transparent huge pages are off here: nothing to check");
+            return;
+        };
+        // Memory the allocator already used (small pages) as well as fresh memory.
+        drop(TableArray::<(u64, u64)>::zeroed(HUGE_PAGE / 8));
+        let array = TableArray::<(u64, u64)>::zeroed(2 * HUGE_PAGE / 16);
+        let huge_kib = huge_kib_of_mapping_at(array.as_ptr() as usize);
+        assert!(
+            huge_kib >= 2 * HUGE_PAGE as u64 / 1024,
+            "with transparent huge pages `{mode}`, a 4 MiB table array sits on huge pages \
+             (its mapping has {huge_kib} KiB of them)"
+        );
+    }
+}
