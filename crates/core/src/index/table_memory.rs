@@ -8,8 +8,9 @@
 //! boundary, marked `MADV_HUGEPAGE` before it is first written (fresh memory then faults in as
 //! 2 MiB pages) and, once zeroed, `MADV_COLLAPSE`d (memory the allocator hands back from
 //! earlier use already has small pages; the collapse replaces them at once instead of waiting
-//! for the kernel's background scan). Both are hints: where transparent huge pages are off
-//! (`never`), on an older kernel or off Linux, the array is the same memory on small pages.
+//! for the kernel's background scan). Both are hints: where the kernel declines (transparent
+//! huge pages off, a kernel before 6.1 for the collapse) or off Linux, the array is the same
+//! memory on small pages.
 //! It is always allocated through the global allocator, so memory figures count it.
 
 use std::alloc::{self, Layout};
