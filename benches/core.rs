@@ -221,9 +221,27 @@ fn route_shared_prefix(c: &mut Criterion) {
     group.finish();
 }
 
+/// The snapshot's copy of the state, taken under the state's lock (routing waits for it): a
+/// router holding 2^20 blocks of one worker, so its owner table and engine map are each
+/// several huge pages.
+fn copy_state(c: &mut Criterion) {
+    let mut router = Router::new(config());
+    let mut seq = 0;
+    for part in 0..(1 << 20) / BATCH_BLOCKS {
+        feed(&mut router, &mut seq, stored_batch(0, 1, part));
+    }
+    let mut group = c.benchmark_group("snapshot");
+    group.sample_size(20);
+    group.bench_function("state_copy_1m_blocks", |b| {
+        b.iter_with_large_drop(|| router.state().clone())
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
     apply_stored_events,
+    copy_state,
     route_long_prompt,
     route_large_fleet,
     route_shared_prefix

@@ -14,7 +14,7 @@ use crate::index::Slot;
 
 use super::{
     best_by, by_pressure, by_reserved_work, deepest_lower_tier, longest_match, no_owner_label,
-    power_of_two, Choice, DecisionLabel, Draw, PolicyConfig, Pool, Positions, RouteView,
+    positions, power_of_two, Choice, DecisionLabel, Draw, PolicyConfig, Pool, Positions, RouteView,
 };
 
 pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Option<Choice> {
@@ -187,12 +187,9 @@ pub(crate) fn no_owner(config: &PolicyConfig, view: &RouteView, rng: &mut impl R
     };
     // Safe members of the pool with a lower-tier match; only listed workers have one. (When no
     // candidate is cool, none is safe either.)
-    let reloaders: Positions = (0..view.workers.len())
-        .filter(|&i| {
-            let w = &view.workers[i];
-            pool.admits(config, w) && Pool::Safe.admits(config, w) && w.lower_tier_depth() > 0
-        })
-        .collect();
+    let reloaders = positions(view, |w| {
+        pool.admits(config, w) && Pool::Safe.admits(config, w) && w.lower_tier_depth() > 0
+    });
     let (slot, matched_blocks) = if reloaders.is_empty() {
         power_of_two(config, view, Draw::Pool { pool, minus: &[] }, rng)
     } else {
