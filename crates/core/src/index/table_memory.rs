@@ -111,7 +111,8 @@ enum Advice {
 }
 
 /// Gives the kernel `advice` about one live allocation of ours. Errors are ignored: a kernel
-/// without the feature, or one that declines, leaves the memory as it was.
+/// without the feature, or one that declines, leaves the memory as it was. Only on glibc
+/// targets, the ones `libc` names `MADV_COLLAPSE` for (the release image is one).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn advise(start: *mut u8, bytes: usize, advice: Advice) {
     let advice = match advice {
@@ -131,7 +132,7 @@ fn advise(_start: *mut u8, _bytes: usize, _advice: Advice) {}
 impl<T: Zeroable> Drop for TableArray<T> {
     fn drop(&mut self) {
         if let Some(layout) = Self::layout(self.len) {
-            // SAFETY: allocated in `zeroed` with this same layout.
+            // SAFETY: allocated in `allocate` (for `zeroed` or `clone`) with this same layout.
             unsafe { alloc::dealloc(self.ptr.as_ptr().cast(), layout) }
         }
     }
