@@ -77,23 +77,32 @@ impl ApproxMap {
     }
 
     /// Records `slot` on `key` until `expires_ms`, replacing the slot's earlier expiry. One
-    /// probe of the table.
-    fn upsert(&mut self, key: u64, slot: Slot, expires_ms: u64) {
+    /// probe of the table. True when the record is new, false when it was refreshed.
+    fn upsert(&mut self, key: u64, slot: Slot, expires_ms: u64) -> bool {
         let ApproxMap { table, slab } = self;
         let value = table.get_or_insert(key, NEW);
         *value = match unpack(*value) {
             _ if *value == NEW => value_of(slab, smallvec![(slot, expires_ms)]),
-            Packed::One(s, _) if s == slot => value_of(slab, smallvec![(slot, expires_ms)]),
+            Packed::One(s, _) if s == slot => {
+                *value = value_of(slab, smallvec![(slot, expires_ms)]);
+                return false;
+            }
             Packed::One(s, exp) => value_of(slab, smallvec![(s, exp), (slot, expires_ms)]),
             Packed::Slab(at) => {
                 let records = &mut slab[at];
-                match records.iter_mut().find(|(s, _)| *s == slot) {
-                    Some(record) => record.1 = expires_ms,
-                    None => records.push((slot, expires_ms)),
-                }
-                return;
+                return match records.iter_mut().find(|(s, _)| *s == slot) {
+                    Some(record) => {
+                        record.1 = expires_ms;
+                        false
+                    }
+                    None => {
+                        records.push((slot, expires_ms));
+                        true
+                    }
+                };
             }
         };
+        true
     }
 
     /// Removes the records of `key` that `drop` selects.
@@ -165,9 +174,16 @@ impl<'de> Deserialize<'de> for ApproxMap {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ApproxIndex {
     blocks: Vec<ApproxMap>,
-    /// Every record in the order written, with the expiry it was written with. Because the TTL
-    /// is fixed, this is also expiry order; a refreshed record leaves a stale queue entry that is
-    /// skipped when popped.
+    /// One entry per record, in the order records were made, with the expiry each was queued
+    /// with. A refresh queues nothing: the prompts that come back (a system prompt, a
+    /// conversation's next turn) rewrite their records' expiries in the table only, so the
+    /// queue holds records, not writes, and the size bound counts records. When an entry comes
+    /// to the front, its record is dropped if it still has that expiry (or an earlier one), and
+    /// queued again at the back with its new expiry if it was refreshed since.
+    ///
+    /// A requeued entry can sit behind entries that expire later, so an expired record may
+    /// stay in the table until the queue reaches it (at most one `approx_ttl` later); a walk
+    /// never counts it, as it counts only records still fresh.
     queue: VecDeque<(u64, NsId, u64, Slot)>,
     max_records: usize,
 }
@@ -193,8 +209,9 @@ impl ApproxIndex {
         }
         let blocks = &mut self.blocks[ns_idx];
         for &key in keys {
-            blocks.upsert(key, slot, expires_ms);
-            self.queue.push_back((expires_ms, ns, key, slot));
+            if blocks.upsert(key, slot, expires_ms) {
+                self.queue.push_back((expires_ms, ns, key, slot));
+            }
         }
         while self.queue.len() > self.max_records {
             self.pop_front();
@@ -208,13 +225,24 @@ impl ApproxIndex {
         }
     }
 
+    /// Takes the front entry: drops its record, unless the record was refreshed to a later
+    /// expiry since it was queued; then it goes to the back under that expiry (the queue's
+    /// length stays, so a size bound pops on; each refresh requeues at most once).
     fn pop_front(&mut self) {
-        let Some((exp, ns, key, slot)) = self.queue.pop_front() else {
+        let Some((queued, ns, key, slot)) = self.queue.pop_front() else {
             return;
         };
-        // Only the record written with this exact expiry is removed; a later refresh of the
-        // same record has its own queue entry.
-        self.blocks[ns as usize].remove_where(key, |s, e| s == slot && e == exp);
+        // A record forgotten since (the worker removed the block) leaves nothing to do.
+        let mut refreshed = None;
+        self.blocks[ns as usize].remove_where(key, |s, exp| {
+            if s == slot && exp > queued {
+                refreshed = Some(exp);
+            }
+            s == slot && exp <= queued
+        });
+        if let Some(exp) = refreshed {
+            self.queue.push_back((exp, ns, key, slot));
+        }
     }
 
     /// Drops every record of a worker (it left or aged out).
@@ -335,6 +363,38 @@ mod tests {
     }
 
     #[test]
+    fn refreshed_records_do_not_count_against_the_bound_twice() {
+        let mut index = ApproxIndex::new(3);
+        index.record(0, &[1, 2, 3], 7, 1_000);
+        for turn in 1..=10 {
+            index.record(0, &[1, 2], 7, 1_000 + 10 * turn);
+        }
+        assert_eq!(
+            index.len(),
+            3,
+            "three records fit a bound of three, however often two of them are refreshed"
+        );
+        assert_eq!(index.queue.len(), 3, "the queue holds one entry per record");
+        index.record(0, &[4], 7, 2_000);
+        assert!(
+            fresh_owners(&index, 3, 0).is_empty(),
+            "a fourth record drops the one written longest ago"
+        );
+        for key in [1, 2, 4] {
+            assert_eq!(fresh_owners(&index, key, 1_050), vec![7], "key {key} is kept");
+        }
+        index.expire(1_050);
+        assert_eq!(
+            fresh_owners(&index, 1, 1_050),
+            vec![7],
+            "a refreshed record outlives the expiry it was queued with"
+        );
+        index.expire(2_000);
+        assert!(index.is_empty(), "and every record expires at its last expiry");
+        assert!(index.queue.is_empty(), "leaving no queue entry behind");
+    }
+
+    #[test]
     fn records_of_several_workers_share_a_block_and_shrink_back() {
         let mut index = ApproxIndex::new(100);
         index.record(0, &[1], 7, 1_000);
@@ -443,11 +503,23 @@ mod tests {
     }
 
     impl Model {
+        fn record(&mut self, key: u64, slot: Slot, exp: u64) {
+            // Only a new record is queued; a refresh changes its expiry alone.
+            if self.current.insert((key, slot), exp).is_none() {
+                self.queue.push_back((exp, key, slot));
+            }
+        }
+
         fn pop(&mut self) {
-            if let Some((exp, key, slot)) = self.queue.pop_front() {
-                // A pop removes the record only if it still has the expiry it was queued with.
-                if self.current.get(&(key, slot)) == Some(&exp) {
-                    self.current.remove(&(key, slot));
+            if let Some((queued, key, slot)) = self.queue.pop_front() {
+                // A pop drops the record unless it was refreshed to a later expiry since it
+                // was queued; then it is queued again under that expiry.
+                match self.current.get(&(key, slot)) {
+                    Some(&exp) if exp > queued => self.queue.push_back((exp, key, slot)),
+                    Some(_) => {
+                        self.current.remove(&(key, slot));
+                    }
+                    None => {}
                 }
             }
         }
@@ -466,8 +538,7 @@ mod tests {
                     Op::Record(keys, slot, ttl) => {
                         index.record(0, &keys, slot, now + ttl);
                         for key in keys {
-                            model.current.insert((key, slot), now + ttl);
-                            model.queue.push_back((now + ttl, key, slot));
+                            model.record(key, slot, now + ttl);
                         }
                         while model.queue.len() > 12 {
                             model.pop();
