@@ -381,7 +381,11 @@ mod tests {
             "a fourth record drops the one written longest ago"
         );
         for key in [1, 2, 4] {
-            assert_eq!(fresh_owners(&index, key, 1_050), vec![7], "key {key} is kept");
+            assert_eq!(
+                fresh_owners(&index, key, 1_050),
+                vec![7],
+                "key {key} is kept"
+            );
         }
         index.expire(1_050);
         assert_eq!(
@@ -390,7 +394,10 @@ mod tests {
             "a refreshed record outlives the expiry it was queued with"
         );
         index.expire(2_000);
-        assert!(index.is_empty(), "and every record expires at its last expiry");
+        assert!(
+            index.is_empty(),
+            "and every record expires at its last expiry"
+        );
         assert!(index.queue.is_empty(), "leaving no queue entry behind");
     }
 
