@@ -6,23 +6,24 @@
 //! checks again once it holds the lock, so a route waits for at most the one ingest input being
 //! applied when it arrived (microseconds), never for the queue behind it.
 //!
-//! Async callers never block a runtime worker thread for long: they try the lock for a short
-//! while (an ingest apply is microseconds) and otherwise wait on tokio's blocking pool, so a
-//! long holder (the snapshot copy, tens of milliseconds) cannot stall `/healthz`, `/metrics` or
-//! the NATS tasks that share the runtime.
+//! The lock is tokio's, which queues its waiters in order: an async gateway caller that finds
+//! the state taken parks its task, and its runtime thread goes on parsing and hashing other
+//! requests meanwhile, instead of spinning on a core the lock holder needs. A long holder (the
+//! snapshot copy, tens of milliseconds) therefore never stalls `/healthz`, `/metrics` or the
+//! NATS tasks that share the runtime. The writer thread, outside the runtime, waits blocking.
+//!
+//! A panic while applying takes the state out, so every later caller is told the writer is
+//! gone, as when its thread died (what a poisoned lock says).
 
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
-use std::time::{Duration, Instant};
+
+use tokio::sync::Mutex;
 
 use super::WriterGone;
 
-/// How long an async gateway caller tries the lock on its own thread before it moves the wait to
-/// the blocking pool. Longer than an ingest apply, far shorter than a snapshot copy.
-const SPIN_ON_RUNTIME_THREAD: Duration = Duration::from_micros(200);
-
-/// The state behind its lock (`None` once the writer has shut down), and how many gateway
-/// callers are waiting for it.
+/// The state behind its lock (`None` once the writer has shut down or a panic took it), and how
+/// many gateway callers are waiting for it.
 pub struct StateLock<T> {
     state: Mutex<Option<T>>,
     gateway_waiting: AtomicUsize,
@@ -31,7 +32,7 @@ pub struct StateLock<T> {
     stood_aside: AtomicUsize,
 }
 
-/// Counts a waiting gateway caller for as long as it lives.
+/// Counts a waiting gateway caller for as long as it lives (a cancelled wait uncounts itself).
 struct GatewayWaiting<'a>(&'a AtomicUsize);
 
 impl<'a> GatewayWaiting<'a> {
@@ -47,6 +48,18 @@ impl Drop for GatewayWaiting<'_> {
     }
 }
 
+/// Runs `f` on the state held in `slot`; a panic in `f` leaves `slot` empty and goes on.
+fn run<T, R>(slot: &mut Option<T>, f: impl FnOnce(&mut T) -> R) -> Result<R, WriterGone> {
+    let state = slot.as_mut().ok_or(WriterGone)?;
+    match panic::catch_unwind(AssertUnwindSafe(|| f(state))) {
+        Ok(result) => Ok(result),
+        Err(payload) => {
+            *slot = None;
+            panic::resume_unwind(payload)
+        }
+    }
+}
+
 impl<T> StateLock<T> {
     pub fn new(state: T) -> Self {
         StateLock {
@@ -57,26 +70,22 @@ impl<T> StateLock<T> {
         }
     }
 
-    fn lock(&self) -> Result<MutexGuard<'_, Option<T>>, WriterGone> {
-        // A panic while applying poisons the lock: the writer is gone, as when its thread died.
-        self.state.lock().map_err(|_| WriterGone)
-    }
-
     /// Gateway callers waiting for the state now.
     pub fn gateway_waiting(&self) -> usize {
         self.gateway_waiting.load(Ordering::Acquire)
     }
 
-    /// Runs `f` on the state for a gateway input, blocking this thread until the lock is free.
-    /// Ingest stands aside while this waits.
-    pub fn gateway_blocking<R>(&self, f: impl FnOnce(&mut T) -> R) -> Result<R, WriterGone> {
-        let _waiting = GatewayWaiting::register(&self.gateway_waiting);
-        let mut guard = self.lock()?;
-        guard.as_mut().map(f).ok_or(WriterGone)
+    /// Runs `f` on the state for a gateway input. Ingest stands aside while this waits.
+    pub async fn gateway<R>(&self, f: impl FnOnce(&mut T) -> R) -> Result<R, WriterGone> {
+        let waiting = GatewayWaiting::register(&self.gateway_waiting);
+        let mut guard = self.state.lock().await;
+        drop(waiting);
+        run(&mut guard, f)
     }
 
-    /// Runs `f` on the state for an ingest input: waits while any gateway input is waiting, and
-    /// gives the lock back if one started waiting while this one was taking it.
+    /// Runs `f` on the state for an ingest input, blocking this thread (never a runtime thread):
+    /// waits while any gateway input is waiting, and gives the lock back if one started waiting
+    /// while this one was taking it.
     pub fn ingest<R>(&self, f: impl FnOnce(&mut T) -> R) -> Result<R, WriterGone> {
         loop {
             while self.gateway_waiting() > 0 {
@@ -84,60 +93,37 @@ impl<T> StateLock<T> {
                 self.stood_aside.fetch_add(1, Ordering::AcqRel);
                 std::thread::yield_now();
             }
-            let mut guard = self.lock()?;
+            let mut guard = self.state.blocking_lock();
             if self.gateway_waiting() > 0 {
                 drop(guard);
                 continue;
             }
-            return guard.as_mut().map(f).ok_or(WriterGone);
+            return run(&mut guard, f);
         }
     }
 
-    /// Takes the state out for good (shutdown): every later caller gets [`WriterGone`].
+    /// Takes the state out for good (shutdown, from the writer thread): every later caller gets
+    /// [`WriterGone`].
     pub fn take(&self) -> Option<T> {
-        self.lock().ok().and_then(|mut guard| guard.take())
-    }
-}
-
-impl<T: Send + 'static> StateLock<T> {
-    /// [`StateLock::gateway_blocking`] for async callers: tries the lock briefly on this thread,
-    /// then waits for it on the blocking pool instead of holding a runtime worker thread.
-    pub async fn gateway<R, F>(self: &Arc<Self>, f: F) -> Result<R, WriterGone>
-    where
-        F: FnOnce(&mut T) -> R + Send + 'static,
-        R: Send + 'static,
-    {
-        let waiting = GatewayWaiting::register(&self.gateway_waiting);
-        let started = Instant::now();
-        loop {
-            match self.state.try_lock() {
-                Ok(mut guard) => {
-                    drop(waiting);
-                    return guard.as_mut().map(f).ok_or(WriterGone);
-                }
-                Err(TryLockError::Poisoned(_)) => return Err(WriterGone),
-                Err(TryLockError::WouldBlock) if started.elapsed() < SPIN_ON_RUNTIME_THREAD => {
-                    std::thread::yield_now()
-                }
-                Err(TryLockError::WouldBlock) => break,
-            }
-        }
-        // The count passes to the blocking task, so ingest stays aside until it is served.
-        std::mem::forget(waiting);
-        let this = self.clone();
-        let task = tokio::task::spawn_blocking(move || {
-            let _waiting = GatewayWaiting(&this.gateway_waiting);
-            let mut guard = this.lock()?;
-            guard.as_mut().map(f).ok_or(WriterGone)
-        });
-        task.await.map_err(|_| WriterGone)?
+        self.state.blocking_lock().take()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
     use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    /// Drives an async gateway call to its end on this thread, as an HTTP task would.
+    fn block_on<F: Future>(call: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(call)
+    }
 
     /// Polls `done` for up to 10 s.
     fn wait_until(what: &str, done: impl Fn() -> bool) {
@@ -155,10 +141,10 @@ mod tests {
     fn a_waiting_gateway_input_is_served_before_queued_ingest() {
         let lock = Arc::new(StateLock::new(Vec::<&'static str>::new()));
         // The writer is busy: this thread holds the state.
-        let held = lock.state.lock().unwrap();
+        let held = lock.state.blocking_lock();
         let gateway = {
             let lock = lock.clone();
-            std::thread::spawn(move || lock.gateway_blocking(|log| log.push("gateway")))
+            std::thread::spawn(move || block_on(lock.gateway(|log| log.push("gateway"))))
         };
         wait_until("the gateway input waits", || lock.gateway_waiting() == 1);
         let ingest_started = Arc::new(AtomicBool::new(false));
@@ -194,7 +180,7 @@ mod tests {
                 lock.stood_aside.load(Ordering::Acquire) >= 1_000
             });
             assert_eq!(
-                *lock.state.lock().unwrap(),
+                *lock.state.blocking_lock(),
                 Some(0),
                 "no ingest input is applied while a gateway input waits"
             );
@@ -208,12 +194,11 @@ mod tests {
         );
     }
 
-    // The test holds the lock across awaits on purpose: it plays a long holder (a snapshot copy).
-    #[allow(clippy::await_holding_lock)]
+    // The test plays a long holder (a snapshot copy) by holding the lock across awaits.
     #[tokio::test(flavor = "current_thread")]
     async fn an_async_gateway_caller_waits_off_the_runtime_thread_for_a_long_holder() {
         let lock = Arc::new(StateLock::new(0u32));
-        let held = lock.state.lock().unwrap();
+        let held = lock.state.try_lock().unwrap();
         let route = tokio::spawn({
             let lock = lock.clone();
             async move { lock.gateway(|n| *n + 1).await }
@@ -224,7 +209,7 @@ mod tests {
         assert_eq!(
             lock.gateway_waiting(),
             1,
-            "the route still counts as waiting while it waits on the blocking pool"
+            "the route counts as waiting while its task is parked"
         );
         drop(held);
         assert_eq!(route.await.unwrap().unwrap(), 1);
@@ -235,7 +220,22 @@ mod tests {
     fn after_take_every_caller_is_told_the_writer_is_gone() {
         let lock = StateLock::new(1u32);
         assert_eq!(lock.take(), Some(1));
-        assert!(lock.gateway_blocking(|n| *n).is_err());
+        assert!(block_on(lock.gateway(|n| *n)).is_err());
         assert!(lock.ingest(|n| *n).is_err());
+    }
+
+    #[test]
+    fn a_panic_while_applying_leaves_every_later_caller_told_the_writer_is_gone() {
+        let lock = StateLock::new(1u32);
+        let applied = panic::catch_unwind(AssertUnwindSafe(|| {
+            lock.ingest(|_| -> u32 { panic!("a bug while applying") })
+        }));
+        assert!(applied.is_err(), "the panic goes on to the caller");
+        assert!(
+            block_on(lock.gateway(|n| *n)).is_err(),
+            "a half-applied state is never served"
+        );
+        assert!(lock.ingest(|n| *n).is_err());
+        assert_eq!(lock.take(), None);
     }
 }
