@@ -6,26 +6,26 @@
 //! checks again once it holds the lock, so a route waits for at most the one ingest input being
 //! applied when it arrived (microseconds), never for the queue behind it.
 //!
-//! The lock is tokio's, which queues its waiters in order: an async gateway caller that finds
-//! the state taken parks its task, and its runtime thread goes on parsing and hashing other
-//! requests meanwhile, instead of spinning on a core the lock holder needs. A long holder (the
-//! snapshot copy, tens of milliseconds) therefore never stalls `/healthz`, `/metrics` or the
-//! NATS tasks that share the runtime. The writer thread, outside the runtime, waits blocking.
-//!
-//! A panic while applying takes the state out, so every later caller is told the writer is
-//! gone, as when its thread died (what a poisoned lock says).
+//! An async gateway caller that finds the state taken parks its task until the holder lets go,
+//! and its runtime thread goes on parsing and hashing other requests meanwhile, instead of
+//! spinning on a core the holder needs. A long holder (the snapshot copy, tens of milliseconds)
+//! therefore never stalls `/healthz`, `/metrics` or the NATS tasks that share the runtime. The
+//! lock itself is not handed over: whoever tries first once it is free takes it, so the state
+//! never sits free while a woken task waits for its thread to run it.
 
-use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
-use tokio::sync::Mutex;
+use tokio::sync::Notify;
 
 use super::WriterGone;
 
-/// The state behind its lock (`None` once the writer has shut down or a panic took it), and how
-/// many gateway callers are waiting for it.
+/// The state behind its lock (`None` once the writer has shut down), and how many gateway
+/// callers are waiting for it.
 pub struct StateLock<T> {
     state: Mutex<Option<T>>,
+    /// Told each time a holder lets go; wakes one parked gateway caller to try again.
+    freed: Notify,
     gateway_waiting: AtomicUsize,
     /// Times ingest stood aside for a waiting gateway caller (what the tests watch).
     #[cfg(test)]
@@ -48,26 +48,32 @@ impl Drop for GatewayWaiting<'_> {
     }
 }
 
-/// Runs `f` on the state held in `slot`; a panic in `f` leaves `slot` empty and goes on.
-fn run<T, R>(slot: &mut Option<T>, f: impl FnOnce(&mut T) -> R) -> Result<R, WriterGone> {
-    let state = slot.as_mut().ok_or(WriterGone)?;
-    match panic::catch_unwind(AssertUnwindSafe(|| f(state))) {
-        Ok(result) => Ok(result),
-        Err(payload) => {
-            *slot = None;
-            panic::resume_unwind(payload)
-        }
-    }
-}
-
 impl<T> StateLock<T> {
     pub fn new(state: T) -> Self {
         StateLock {
             state: Mutex::new(Some(state)),
+            freed: Notify::new(),
             gateway_waiting: AtomicUsize::new(0),
             #[cfg(test)]
             stood_aside: AtomicUsize::new(0),
         }
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, Option<T>>, WriterGone> {
+        // A panic while applying poisons the lock: the writer is gone, as when its thread died.
+        self.state.lock().map_err(|_| WriterGone)
+    }
+
+    /// Runs `f` on the held state, lets go of it and wakes a parked gateway caller.
+    fn run_and_release<R>(
+        &self,
+        mut guard: MutexGuard<'_, Option<T>>,
+        f: impl FnOnce(&mut T) -> R,
+    ) -> Result<R, WriterGone> {
+        let result = guard.as_mut().map(f).ok_or(WriterGone);
+        drop(guard);
+        self.freed.notify_one();
+        result
     }
 
     /// Gateway callers waiting for the state now.
@@ -75,12 +81,38 @@ impl<T> StateLock<T> {
         self.gateway_waiting.load(Ordering::Acquire)
     }
 
-    /// Runs `f` on the state for a gateway input. Ingest stands aside while this waits.
+    /// Runs `f` (taken out of `f`) if the state is free now; `None` if it is taken.
+    fn try_gateway<R, F: FnOnce(&mut T) -> R>(
+        &self,
+        f: &mut Option<F>,
+    ) -> Option<Result<R, WriterGone>> {
+        let guard = match self.state.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(_)) => return Some(Err(WriterGone)),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        let f = f.take().expect("a gateway call runs once");
+        Some(self.run_and_release(guard, f))
+    }
+
+    /// Runs `f` on the state for a gateway input, parking this task while the state is taken.
+    /// Ingest stands aside while this waits.
     pub async fn gateway<R>(&self, f: impl FnOnce(&mut T) -> R) -> Result<R, WriterGone> {
-        let waiting = GatewayWaiting::register(&self.gateway_waiting);
-        let mut guard = self.state.lock().await;
-        drop(waiting);
-        run(&mut guard, f)
+        let mut f = Some(f);
+        let _waiting = GatewayWaiting::register(&self.gateway_waiting);
+        loop {
+            if let Some(result) = self.try_gateway(&mut f) {
+                return result;
+            }
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            // Registered before trying again, so a holder letting go in between wakes it.
+            freed.as_mut().enable();
+            if let Some(result) = self.try_gateway(&mut f) {
+                return result;
+            }
+            freed.await;
+        }
     }
 
     /// Runs `f` on the state for an ingest input, blocking this thread (never a runtime thread):
@@ -93,19 +125,21 @@ impl<T> StateLock<T> {
                 self.stood_aside.fetch_add(1, Ordering::AcqRel);
                 std::thread::yield_now();
             }
-            let mut guard = self.state.blocking_lock();
+            let guard = self.lock()?;
             if self.gateway_waiting() > 0 {
                 drop(guard);
+                self.freed.notify_one();
                 continue;
             }
-            return run(&mut guard, f);
+            return self.run_and_release(guard, f);
         }
     }
 
-    /// Takes the state out for good (shutdown, from the writer thread): every later caller gets
-    /// [`WriterGone`].
+    /// Takes the state out for good (shutdown): every later caller gets [`WriterGone`].
     pub fn take(&self) -> Option<T> {
-        self.state.blocking_lock().take()
+        let state = self.lock().ok().and_then(|mut guard| guard.take());
+        self.freed.notify_one();
+        state
     }
 }
 
@@ -113,9 +147,16 @@ impl<T> StateLock<T> {
 mod tests {
     use super::*;
     use std::future::Future;
+    use std::panic::{self, AssertUnwindSafe};
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
     use std::time::{Duration, Instant};
+
+    /// Lets go of a lock a test held directly, as a holder does.
+    fn release<T>(lock: &StateLock<T>, held: MutexGuard<'_, Option<T>>) {
+        drop(held);
+        lock.freed.notify_one();
+    }
 
     /// Drives an async gateway call to its end on this thread, as an HTTP task would.
     fn block_on<F: Future>(call: F) -> F::Output {
@@ -141,7 +182,7 @@ mod tests {
     fn a_waiting_gateway_input_is_served_before_queued_ingest() {
         let lock = Arc::new(StateLock::new(Vec::<&'static str>::new()));
         // The writer is busy: this thread holds the state.
-        let held = lock.state.blocking_lock();
+        let held = lock.state.lock().unwrap();
         let gateway = {
             let lock = lock.clone();
             std::thread::spawn(move || block_on(lock.gateway(|log| log.push("gateway"))))
@@ -158,7 +199,7 @@ mod tests {
         wait_until("the ingest input is queued", || {
             ingest_started.load(Ordering::Acquire)
         });
-        drop(held);
+        release(&lock, held);
         gateway.join().unwrap().unwrap();
         ingest.join().unwrap().unwrap();
         assert_eq!(
@@ -180,7 +221,7 @@ mod tests {
                 lock.stood_aside.load(Ordering::Acquire) >= 1_000
             });
             assert_eq!(
-                *lock.state.blocking_lock(),
+                *lock.state.lock().unwrap(),
                 Some(0),
                 "no ingest input is applied while a gateway input waits"
             );
@@ -194,11 +235,12 @@ mod tests {
         );
     }
 
-    // The test plays a long holder (a snapshot copy) by holding the lock across awaits.
+    // The test holds the lock across awaits on purpose: it plays a long holder (a snapshot copy).
+    #[allow(clippy::await_holding_lock)]
     #[tokio::test(flavor = "current_thread")]
     async fn an_async_gateway_caller_waits_off_the_runtime_thread_for_a_long_holder() {
         let lock = Arc::new(StateLock::new(0u32));
-        let held = lock.state.try_lock().unwrap();
+        let held = lock.state.lock().unwrap();
         let route = tokio::spawn({
             let lock = lock.clone();
             async move { lock.gateway(|n| *n + 1).await }
@@ -211,7 +253,7 @@ mod tests {
             1,
             "the route counts as waiting while its task is parked"
         );
-        drop(held);
+        release(&lock, held);
         assert_eq!(route.await.unwrap().unwrap(), 1);
         assert_eq!(lock.gateway_waiting(), 0);
     }
