@@ -48,6 +48,15 @@ impl Drop for GatewayWaiting<'_> {
     }
 }
 
+/// Wakes one parked gateway caller when dropped.
+struct WakeOnDrop<'a>(&'a Notify);
+
+impl Drop for WakeOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.notify_one();
+    }
+}
+
 impl<T> StateLock<T> {
     pub fn new(state: T) -> Self {
         StateLock {
@@ -64,16 +73,17 @@ impl<T> StateLock<T> {
         self.state.lock().map_err(|_| WriterGone)
     }
 
-    /// Runs `f` on the held state, lets go of it and wakes a parked gateway caller.
+    /// Runs `f` on the held state, lets go of it and wakes a parked gateway caller, also when
+    /// `f` panics (the woken caller then finds the lock poisoned: the writer is gone).
     fn run_and_release<R>(
         &self,
-        mut guard: MutexGuard<'_, Option<T>>,
+        guard: MutexGuard<'_, Option<T>>,
         f: impl FnOnce(&mut T) -> R,
     ) -> Result<R, WriterGone> {
-        let result = guard.as_mut().map(f).ok_or(WriterGone);
-        drop(guard);
-        self.freed.notify_one();
-        result
+        // Declared before the guard, so dropped after it: the wake follows the release.
+        let _wake = WakeOnDrop(&self.freed);
+        let mut guard = guard;
+        guard.as_mut().map(f).ok_or(WriterGone)
     }
 
     /// Gateway callers waiting for the state now.
@@ -81,14 +91,18 @@ impl<T> StateLock<T> {
         self.gateway_waiting.load(Ordering::Acquire)
     }
 
-    /// Runs `f` (taken out of `f`) if the state is free now; `None` if it is taken.
+    /// Runs the call in `f` (taking it out) if the state is free now; `None` if it is taken.
     fn try_gateway<R, F: FnOnce(&mut T) -> R>(
         &self,
         f: &mut Option<F>,
     ) -> Option<Result<R, WriterGone>> {
         let guard = match self.state.try_lock() {
             Ok(guard) => guard,
-            Err(TryLockError::Poisoned(_)) => return Some(Err(WriterGone)),
+            Err(TryLockError::Poisoned(_)) => {
+                // Passed on, so every parked caller learns the writer is gone.
+                self.freed.notify_one();
+                return Some(Err(WriterGone));
+            }
             Err(TryLockError::WouldBlock) => return None,
         };
         let f = f.take().expect("a gateway call runs once");
@@ -279,5 +293,36 @@ mod tests {
         );
         assert!(lock.ingest(|n| *n).is_err());
         assert_eq!(lock.take(), None);
+    }
+
+    #[test]
+    fn a_parked_gateway_caller_is_woken_and_told_the_writer_is_gone_when_the_holder_panics() {
+        let lock = Arc::new(StateLock::new(0u32));
+        let holding = Arc::new(AtomicBool::new(false));
+        let holder = {
+            let (lock, holding) = (lock.clone(), holding.clone());
+            std::thread::spawn(move || {
+                lock.ingest(|_| {
+                    holding.store(true, Ordering::Release);
+                    wait_until("the gateway caller parks", || lock.gateway_waiting() == 1);
+                    panic!("a bug while applying")
+                })
+            })
+        };
+        wait_until("the holder holds the state", || {
+            holding.load(Ordering::Acquire)
+        });
+        let (told, answer) = std::sync::mpsc::channel();
+        let gateway = {
+            let lock = lock.clone();
+            std::thread::spawn(move || told.send(block_on(lock.gateway(|n| *n)).is_err()))
+        };
+        assert!(holder.join().is_err(), "the holder panicked");
+        assert_eq!(
+            answer.recv_timeout(Duration::from_secs(10)),
+            Ok(true),
+            "the parked caller wakes and is told the writer is gone, not left waiting"
+        );
+        gateway.join().unwrap().unwrap();
     }
 }
