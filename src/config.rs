@@ -131,7 +131,8 @@ pub struct PolicyArgs {
     /// How long the router's own routing records count as ownership
     #[arg(long, env = "KVROUTED_APPROX_TTL", value_parser = parse_duration)]
     pub approx_ttl: Option<Duration>,
-    /// Bound on routing records (one per routed block)
+    /// Bound on routing records (one per routed block and worker; routing a block to the same
+    /// worker again refreshes its record, it adds none). Past it, the oldest go first
     #[arg(long, env = "KVROUTED_APPROX_MAX_RECORDS")]
     pub approx_max_records: Option<usize>,
     /// Reservations not released by then expire
