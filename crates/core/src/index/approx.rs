@@ -213,36 +213,45 @@ impl ApproxIndex {
                 self.queue.push_back((expires_ms, ns, key, slot));
             }
         }
+        // A run of refreshed records at the front would each go to the back first (after an
+        // upgrade, a snapshot's queue holds millions of stale entries), so one call sends back
+        // at most as many as it has keys; past that, the front record goes whatever its expiry.
+        // A route's work under the lock stays in proportion to its prompt.
+        let mut requeues = keys.len();
         while self.queue.len() > self.max_records {
-            self.pop_front();
+            if self.pop_front(requeues > 0) {
+                requeues -= 1;
+            }
         }
     }
 
     /// Drops records that expired at or before `now_ms`.
     pub fn expire(&mut self, now_ms: u64) {
         while self.queue.front().is_some_and(|&(exp, ..)| exp <= now_ms) {
-            self.pop_front();
+            self.pop_front(true);
         }
     }
 
-    /// Takes the front entry: drops its record, unless the record was refreshed to a later
-    /// expiry since it was queued; then it goes to the back under that expiry (the queue's
-    /// length stays, so a size bound pops on; each refresh requeues at most once).
-    fn pop_front(&mut self) {
+    /// Takes the front entry and drops its record, unless `requeue` and the record was
+    /// refreshed to a later expiry since it was queued: then it goes to the back under that
+    /// expiry (each refresh requeues at most once). Returns whether it went to the back.
+    fn pop_front(&mut self, requeue: bool) -> bool {
         let Some((queued, ns, key, slot)) = self.queue.pop_front() else {
-            return;
+            return false;
         };
         // A record forgotten since (the worker removed the block) leaves nothing to do.
         let mut refreshed = None;
         self.blocks[ns as usize].remove_where(key, |s, exp| {
-            if s == slot && exp > queued {
+            let keep = s == slot && requeue && exp > queued;
+            if keep {
                 refreshed = Some(exp);
             }
-            s == slot && exp <= queued
+            s == slot && !keep
         });
         if let Some(exp) = refreshed {
             self.queue.push_back((exp, ns, key, slot));
         }
+        refreshed.is_some()
     }
 
     /// Drops every record of a worker (it left or aged out).
@@ -367,25 +376,21 @@ mod tests {
         let mut index = ApproxIndex::new(3);
         index.record(0, &[1, 2, 3], 7, 1_000);
         for turn in 1..=10 {
-            index.record(0, &[1, 2], 7, 1_000 + 10 * turn);
+            index.record(0, &[1], 7, 1_000 + 10 * turn);
         }
         assert_eq!(
             index.len(),
             3,
-            "three records fit a bound of three, however often two of them are refreshed"
+            "three records fit a bound of three, however often one of them is refreshed"
         );
         assert_eq!(index.queue.len(), 3, "the queue holds one entry per record");
         index.record(0, &[4], 7, 2_000);
         assert!(
-            fresh_owners(&index, 3, 0).is_empty(),
-            "a fourth record drops the one written longest ago"
+            fresh_owners(&index, 2, 0).is_empty(),
+            "a fourth record drops the oldest one not refreshed since it was made"
         );
-        for key in [1, 2, 4] {
-            assert_eq!(
-                fresh_owners(&index, key, 1_050),
-                vec![7],
-                "key {key} is kept"
-            );
+        for key in [1, 3, 4] {
+            assert_eq!(fresh_owners(&index, key, 999), vec![7], "key {key} is kept");
         }
         index.expire(1_050);
         assert_eq!(
@@ -399,6 +404,22 @@ mod tests {
             "and every record expires at its last expiry"
         );
         assert!(index.queue.is_empty(), "leaving no queue entry behind");
+    }
+
+    #[test]
+    fn one_record_call_sends_back_no_more_refreshed_records_than_it_has_keys() {
+        let mut index = ApproxIndex::new(4);
+        index.record(0, &[1, 2, 3, 4], 7, 1_000);
+        index.record(0, &[1, 2, 3, 4], 7, 2_000);
+        index.record(0, &[5], 7, 2_000);
+        assert_eq!(index.len(), 4, "the bound holds");
+        assert!(
+            fresh_owners(&index, 2, 0).is_empty(),
+            "after one record sent back (key 1), the next goes though refreshed"
+        );
+        for key in [1, 3, 4, 5] {
+            assert_eq!(fresh_owners(&index, key, 0), vec![7], "key {key} is kept");
+        }
     }
 
     #[test]
@@ -517,17 +538,23 @@ mod tests {
             }
         }
 
-        fn pop(&mut self) {
-            if let Some((queued, key, slot)) = self.queue.pop_front() {
-                // A pop drops the record unless it was refreshed to a later expiry since it
-                // was queued; then it is queued again under that expiry.
-                match self.current.get(&(key, slot)) {
-                    Some(&exp) if exp > queued => self.queue.push_back((exp, key, slot)),
-                    Some(_) => {
-                        self.current.remove(&(key, slot));
-                    }
-                    None => {}
+        /// Pops the front entry; true if it went to the back.
+        fn pop(&mut self, requeue: bool) -> bool {
+            let Some((queued, key, slot)) = self.queue.pop_front() else {
+                return false;
+            };
+            // A pop drops the record unless it may requeue and the record was refreshed to a
+            // later expiry since it was queued; then it is queued again under that expiry.
+            match self.current.get(&(key, slot)) {
+                Some(&exp) if requeue && exp > queued => {
+                    self.queue.push_back((exp, key, slot));
+                    true
                 }
+                Some(_) => {
+                    self.current.remove(&(key, slot));
+                    false
+                }
+                None => false,
             }
         }
     }
@@ -544,18 +571,22 @@ mod tests {
                 match op {
                     Op::Record(keys, slot, ttl) => {
                         index.record(0, &keys, slot, now + ttl);
+                        // One call sends back at most as many refreshed records as it has keys.
+                        let mut requeues = keys.len();
                         for key in keys {
                             model.record(key, slot, now + ttl);
                         }
                         while model.queue.len() > 12 {
-                            model.pop();
+                            if model.pop(requeues > 0) {
+                                requeues -= 1;
+                            }
                         }
                     }
                     Op::Expire(step) => {
                         now += step;
                         index.expire(now);
                         while model.queue.front().is_some_and(|&(exp, ..)| exp <= now) {
-                            model.pop();
+                            model.pop(true);
                         }
                     }
                     Op::Forget(slot) => {
