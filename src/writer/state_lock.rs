@@ -141,8 +141,7 @@ impl<T> StateLock<T> {
             }
             let guard = self.lock()?;
             if self.gateway_waiting() > 0 {
-                drop(guard);
-                self.freed.notify_one();
+                self.release(guard);
                 continue;
             }
             return self.run_and_release(guard, f);
@@ -151,9 +150,17 @@ impl<T> StateLock<T> {
 
     /// Takes the state out for good (shutdown): every later caller gets [`WriterGone`].
     pub fn take(&self) -> Option<T> {
-        let state = self.lock().ok().and_then(|mut guard| guard.take());
-        self.freed.notify_one();
+        let mut guard = self.lock().ok()?;
+        let state = guard.take();
+        self.release(guard);
         state
+    }
+
+    /// Lets go of the state without running a call on it, and wakes a parked gateway caller to
+    /// try again.
+    fn release(&self, guard: MutexGuard<'_, Option<T>>) {
+        drop(guard);
+        self.freed.notify_one();
     }
 }
 
@@ -165,12 +172,6 @@ mod tests {
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
     use std::time::{Duration, Instant};
-
-    /// Lets go of a lock a test held directly, as a holder does.
-    fn release<T>(lock: &StateLock<T>, held: MutexGuard<'_, Option<T>>) {
-        drop(held);
-        lock.freed.notify_one();
-    }
 
     /// Drives an async gateway call to its end on this thread, as an HTTP task would.
     fn block_on<F: Future>(call: F) -> F::Output {
@@ -213,7 +214,7 @@ mod tests {
         wait_until("the ingest input is queued", || {
             ingest_started.load(Ordering::Acquire)
         });
-        release(&lock, held);
+        lock.release(held);
         gateway.join().unwrap().unwrap();
         ingest.join().unwrap().unwrap();
         assert_eq!(
@@ -267,7 +268,7 @@ mod tests {
             1,
             "the route counts as waiting while its task is parked"
         );
-        release(&lock, held);
+        lock.release(held);
         assert_eq!(route.await.unwrap().unwrap(), 1);
         assert_eq!(lock.gateway_waiting(), 0);
     }

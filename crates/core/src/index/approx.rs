@@ -81,14 +81,17 @@ impl ApproxMap {
     fn upsert(&mut self, key: u64, slot: Slot, expires_ms: u64) -> bool {
         let ApproxMap { table, slab } = self;
         let value = table.get_or_insert(key, NEW);
-        *value = match unpack(*value) {
-            _ if *value == NEW => value_of(slab, smallvec![(slot, expires_ms)]),
+        let (packed, new) = match unpack(*value) {
+            _ if *value == NEW => (value_of(slab, smallvec![(slot, expires_ms)]), true),
             Packed::One(s, _) if s == slot => {
-                *value = value_of(slab, smallvec![(slot, expires_ms)]);
-                return false;
+                (value_of(slab, smallvec![(slot, expires_ms)]), false)
             }
-            Packed::One(s, exp) => value_of(slab, smallvec![(s, exp), (slot, expires_ms)]),
+            Packed::One(s, exp) => (
+                value_of(slab, smallvec![(s, exp), (slot, expires_ms)]),
+                true,
+            ),
             Packed::Slab(at) => {
+                // The table value (the slab index) stays; the records change in place.
                 let records = &mut slab[at];
                 return match records.iter_mut().find(|(s, _)| *s == slot) {
                     Some(record) => {
@@ -102,7 +105,8 @@ impl ApproxMap {
                 };
             }
         };
-        true
+        *value = packed;
+        new
     }
 
     /// Removes the records of `key` that `drop` selects.
@@ -225,7 +229,8 @@ impl ApproxIndex {
         }
     }
 
-    /// Drops records that expired at or before `now_ms`.
+    /// Drops the records that expired at or before `now_ms`, as their entries reach the front
+    /// (one behind a requeued entry waits for it; see `queue`).
     pub fn expire(&mut self, now_ms: u64) {
         while self.queue.front().is_some_and(|&(exp, ..)| exp <= now_ms) {
             self.pop_front(true);
