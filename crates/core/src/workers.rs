@@ -1,7 +1,8 @@
 //! The worker table: who is known, in what state, how loaded, and how much work the router has
 //! reserved on each.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Bound;
 
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -180,6 +181,23 @@ pub struct Workers {
     changed: Vec<Slot>,
     #[serde(skip)]
     is_changed: Vec<bool>,
+    /// Each live id's place in id order as a number ([`Workers::id_order`]), so a decision
+    /// sorts its owners by a number beside it instead of reading every owner's id again at
+    /// each comparison. Labels leave gaps: a new id takes the midpoint of its neighbours', and
+    /// only when no gap is left are all ids labelled afresh, evenly spaced.
+    #[serde(skip)]
+    order_labels: BTreeMap<WorkerId, u64>,
+    /// Per slot: its id's order label and how many live ranks the id has.
+    #[serde(skip)]
+    slot_meta: Vec<SlotMeta>,
+}
+
+/// What a route reads of a slot's id without hashing it ([`Workers::id_order`],
+/// [`Workers::multi_rank`]).
+#[derive(Debug, Default, Clone, Copy)]
+struct SlotMeta {
+    order: u64,
+    ranks: u32,
 }
 
 impl Workers {
@@ -204,6 +222,10 @@ impl Workers {
                 // Slot order, as `rebuild` lists them, so a restored router iterates alike.
                 let slots = self.by_id.entry(id.clone()).or_default();
                 slots.insert(slots.partition_point(|&s| s < slot), slot);
+                if new_worker {
+                    self.label_new_id(id);
+                }
+                self.refresh_meta_of(id);
                 slot
             }
         };
@@ -276,7 +298,71 @@ impl Workers {
         let Some(w) = self.get(slot) else {
             return false;
         };
-        w.dp_size.is_some_and(|n| n > 1) || self.slots_of(&w.id).nth(1).is_some()
+        w.dp_size.is_some_and(|n| n > 1)
+            || self
+                .slot_meta
+                .get(slot as usize)
+                .is_some_and(|m| m.ranks > 1)
+    }
+
+    /// A number that orders live ranks as their ids order: equal for the ranks of one worker,
+    /// smaller for a smaller id. It changes as ids join, so it is only compared within one
+    /// route, never kept.
+    pub fn id_order(&self, slot: Slot) -> u64 {
+        self.slot_meta.get(slot as usize).map_or(0, |m| m.order)
+    }
+
+    /// Gives a new id the label halfway between its neighbours', or labels every id afresh when
+    /// they leave no gap.
+    fn label_new_id(&mut self, id: &WorkerId) {
+        let below = self.order_labels.range(..id).next_back().map(|(_, &l)| l);
+        let above = self
+            .order_labels
+            .range((Bound::Excluded(id), Bound::Unbounded))
+            .next()
+            .map(|(_, &l)| l);
+        let (low, high) = (below.unwrap_or(0), above.unwrap_or(u64::MAX));
+        if high - low > 1 {
+            self.order_labels.insert(id.clone(), low + (high - low) / 2);
+        } else {
+            self.order_labels.insert(id.clone(), 0);
+            self.relabel_ids();
+        }
+    }
+
+    /// Labels every live id evenly over the u64 range, in id order, and refreshes every slot.
+    fn relabel_ids(&mut self) {
+        let step = u64::MAX / (self.order_labels.len() as u64 + 1);
+        for (i, label) in self.order_labels.values_mut().enumerate() {
+            *label = (i as u64 + 1) * step;
+        }
+        self.slot_meta.clear();
+        self.slot_meta.resize(self.slots.len(), SlotMeta::default());
+        for (id, slots) in &self.by_id {
+            for &slot in slots {
+                self.slot_meta[slot as usize] = SlotMeta {
+                    order: self.order_labels[id],
+                    ranks: slots.len() as u32,
+                };
+            }
+        }
+    }
+
+    /// Writes the label and rank count of `id` into each of its live slots.
+    fn refresh_meta_of(&mut self, id: &WorkerId) {
+        let Some(slots) = self.by_id.get(id) else {
+            return;
+        };
+        let meta = SlotMeta {
+            order: self.order_labels.get(id).copied().unwrap_or(0),
+            ranks: slots.len() as u32,
+        };
+        if self.slot_meta.len() < self.slots.len() {
+            self.slot_meta.resize(self.slots.len(), SlotMeta::default());
+        }
+        for &slot in slots {
+            self.slot_meta[slot as usize] = meta;
+        }
     }
 
     pub fn get(&self, slot: Slot) -> Option<&Worker> {
@@ -298,8 +384,10 @@ impl Workers {
             slots.retain(|s| *s != slot);
             if slots.is_empty() {
                 self.by_id.remove(&worker.id);
+                self.order_labels.remove(&worker.id);
             }
         }
+        self.refresh_meta_of(&worker.id);
         self.free.insert(slot);
         // Free slots at the end are cut off, so the table shrinks back after a churn.
         while self.slots.last().is_some_and(Option::is_none) {
@@ -376,6 +464,8 @@ impl Workers {
                 }
             }
         }
+        self.order_labels = self.by_id.keys().map(|id| (id.clone(), 0)).collect();
+        self.relabel_ids();
         self.departed_at = self
             .departed
             .order
@@ -490,5 +580,64 @@ impl Workers {
             }
         };
         SeqCheck::Apply { gap, new_epoch }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> WorkerId {
+        WorkerId::new(s).unwrap()
+    }
+
+    /// Every pair of live ranks compares by `id_order` as by id, and `multi_rank` says whether
+    /// the id has more than one live rank.
+    fn assert_order_follows_ids(workers: &Workers, when: &str) {
+        let live: Vec<(Slot, &Worker)> = workers.iter().collect();
+        for &(a, wa) in &live {
+            let ranks = workers.slots_of(&wa.id).count();
+            assert_eq!(
+                workers.multi_rank(a),
+                ranks > 1,
+                "{when}: multi_rank of {:?} rank {} follows its {ranks} live ranks",
+                wa.id,
+                wa.dp_rank
+            );
+            for &(b, wb) in &live {
+                assert_eq!(
+                    workers.id_order(a).cmp(&workers.id_order(b)),
+                    wa.id.cmp(&wb.id),
+                    "{when}: id_order of {:?} and {:?} compares as the ids do",
+                    wa.id,
+                    wb.id
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn id_order_compares_as_ids_do_through_joins_leaves_relabelling_and_restore() {
+        let mut workers = Workers::default();
+        workers.touch(&id("m"), 0, 0);
+        // Ids joining in ascending order above "m" and in descending order below it: each
+        // takes half of the gap left at its end, so the labels run out and are all written
+        // afresh, more than once at each end.
+        for i in 0..150 {
+            for name in [format!("w{i:04}"), format!("d{:04}", 999 - i)] {
+                let (slot, _) = workers.touch(&id(&name), 0, 0);
+                if i % 3 == 0 {
+                    workers.touch(&id(&name), 1, 0);
+                }
+                if i % 5 == 0 {
+                    workers.remove(slot);
+                }
+            }
+        }
+        assert_order_follows_ids(&workers, "after joins and leaves");
+        let mut restored: Workers =
+            serde_json::from_str(&serde_json::to_string(&workers).unwrap()).unwrap();
+        restored.rebuild();
+        assert_order_follows_ids(&restored, "after a restore");
     }
 }

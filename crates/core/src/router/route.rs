@@ -306,14 +306,19 @@ impl Router {
         // The chosen rank's own depth: a spill to a non-owner reuses nothing.
         let matched_blocks = chosen.depth;
         let held_tokens = u64::from(chosen.depth).saturating_mul(u64::from(block_size));
-        // Sorted by reference (cheap to move), cloned once; the ranks of one worker share its
-        // id and are listed once. The views are in slot order, which often follows the ids'
-        // (ranks joining in the order of their names): a stable sort finds those runs.
-        let mut owner_ids: Vec<&WorkerId> =
-            choice.known_owners.iter().map(|&i| views[i].id).collect();
-        owner_ids.sort();
-        owner_ids.dedup();
-        let owners: Vec<WorkerId> = owner_ids.into_iter().cloned().collect();
+        // In id order, each worker once (its ranks share the id): sorted by the number that
+        // orders ids (read once per owner, where comparing ids reads two of them per step).
+        let mut owner_order: Vec<(u64, usize)> = choice
+            .known_owners
+            .iter()
+            .map(|&i| (self.state.workers.id_order(views[i].slot), i))
+            .collect();
+        owner_order.sort();
+        owner_order.dedup_by_key(|&mut (order, _)| order);
+        let owners: Vec<WorkerId> = owner_order
+            .iter()
+            .map(|&(_, i)| views[i].id.clone())
+            .collect();
         let match_threshold = self.config.policy.match_threshold(req.keys.len());
         let explain = req.explain.then(|| {
             views

@@ -590,3 +590,26 @@ fn block_sizes_are_per_model_fixed_by_flag_or_declared_by_a_join() {
     );
     assert_eq!(fleet.router.block_size_of(Some("fixed")), BLOCK * 2);
 }
+
+#[test]
+fn owners_are_listed_in_id_order_once_per_worker_whatever_order_they_joined_in() {
+    // Joined in an order unlike the ids' (slots follow joins); "m" holds the prompt on two
+    // ranks; "a-late" joins last but sorts first, and a leave in between reuses a slot.
+    let mut fleet = Fleet::new();
+    for worker in ["z", "m", "gone", "b"] {
+        fleet.store(worker, &PROMPT);
+    }
+    fleet.batch(
+        "m",
+        (1, None, None),
+        vec![chain_event(&PROMPT, Medium::Gpu)],
+    );
+    fleet.lifecycle("gone", LifecycleOp::Leave);
+    fleet.store("a-late", &PROMPT);
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        d.owners,
+        vec![id("a-late"), id("b"), id("m"), id("z")],
+        "owners are listed in id order, a worker with two owning ranks once"
+    );
+}
