@@ -148,7 +148,7 @@ pub(crate) async fn run_mode(
     // Drain: wait until the daemon has applied everything published (JetStream) or the
     // counter stops moving (core NATS may have dropped messages), at most 60 s.
     let drain_start = Instant::now();
-    let mut last = c1;
+    let mut last = c1.clone();
     let mut still = 0;
     while drain_start.elapsed() < Duration::from_secs(60) {
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -213,9 +213,8 @@ pub(crate) async fn run_mode(
         let label = format!("routes 1k-32k tokens, concurrency {}", o.concurrency);
         report.line(load_line(&label, &load));
         report.line(format!(
-            "    daemon handler mean {server_mean:.1} µs (kvrouted_route_duration_seconds); owner_hold {:.0}, cold_miss {:.0}; cpu daemon {d_cpu:.2} cores, bench {b_cpu:.2}; RSS {rss:.0} MiB",
-            c1.owner_hold - c0.owner_hold,
-            c1.cold_miss - c0.cold_miss
+            "    daemon handler mean {server_mean:.1} µs (kvrouted_route_duration_seconds); decisions: {}; cpu daemon {d_cpu:.2} cores, bench {b_cpu:.2}; RSS {rss:.0} MiB",
+            c1.decisions_since(&c0)
         ));
         report.json.push(format!(
             "{{\"mode\":\"{}\",\"phase\":\"{label}\",\"load\":{},\"daemon_handler_mean_us\":{server_mean:.1},\"daemon_cores\":{d_cpu:.2},\"daemon_rss_mib\":{rss:.0}}}",
@@ -287,7 +286,8 @@ pub(crate) async fn run_mode(
         &load,
     ));
     report.line(format!(
-        "    cpu daemon {d_cpu:.2} cores, nats-server {n_cpu:.2}, bench {b_cpu:.2}; daemon RSS {rss:.0} MiB (peak {hwm:.0})"
+        "    decisions: {}; cpu daemon {d_cpu:.2} cores, nats-server {n_cpu:.2}, bench {b_cpu:.2}; daemon RSS {rss:.0} MiB (peak {hwm:.0})",
+        c1.decisions_since(&c0)
     ));
     report.json.push(format!(
         "{{\"mode\":\"{}\",\"phase\":\"combined\",\"applied_events_per_s\":{:.0},\"load\":{},\"daemon_cores\":{d_cpu:.2},\"nats_cores\":{n_cpu:.2},\"daemon_peak_rss_mib\":{hwm:.0}}}",
