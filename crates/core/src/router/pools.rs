@@ -1,8 +1,9 @@
 //! What a route needs besides the index, kept so that its cost follows the matched owners and
 //! the sampled candidates, not the size of the fleet:
 //!
-//! - [`RouteScratch`]: per-rank depths on each tier, reused from route to route; only the ranks
-//!   a walk touched are reset afterwards (all rows at once when more than a quarter were).
+//! - [`RouteScratch`]: per-rank depths on each tier, reused from route to route; each row names
+//!   the route it was written for, and a row of an earlier route reads as zero, so ending a
+//!   route resets nothing.
 //! - [`Pools`]: the fleet's candidate pools (candidates, cool, safe; docs/architecture.md,
 //!   "Policy") as order-statistic trees over slots, one per model, updated for each rank that
 //!   changed (the worker table notes them) and for each rank whose telemetry went stale. A
@@ -27,11 +28,15 @@ pub(super) const APPROX: usize = 1;
 pub(super) const HOST: usize = 2;
 pub(super) const DISK: usize = 3;
 
-/// Depths of one route per rank and tier. Invariant between routes: every row is zero and
-/// `touched` is empty.
+/// Depths of one route per rank and tier. Invariant between routes: no row is of the current
+/// `route` (each reads as zero), and `touched` is empty.
 #[derive(Debug, Default)]
 pub(super) struct RouteScratch {
-    depth: Vec<[u32; 4]>,
+    depth: Vec<DepthRow>,
+    /// The route the rows are being written for. A row of another route reads as zero, so
+    /// ending a route zeroes nothing: a wide decision touches hundreds of rows, and storing
+    /// to each of them again cost more than the check on every read.
+    route: u32,
     /// Ranks with a non-zero depth on some tier, in the order the walks met them.
     touched: Vec<Slot>,
     /// The deepest depth per tier over all ranks: the last key a walk continued.
@@ -43,11 +48,23 @@ pub(super) struct RouteScratch {
     pub(super) excluded: Vec<Slot>,
 }
 
+/// One rank's depths per tier, valid for the route it names.
+#[derive(Debug, Default, Clone, Copy)]
+struct DepthRow {
+    depths: [u32; 4],
+    route: u32,
+}
+
 impl RouteScratch {
-    /// Makes room for `slots` ranks (rows only ever grow; they are zero between routes).
+    /// Makes room for `slots` ranks (rows only ever grow).
     pub(super) fn prepare(&mut self, slots: usize) {
         if self.depth.len() < slots {
-            self.depth.resize(slots, [0; 4]);
+            self.depth.resize(slots, DepthRow::default());
+        }
+        if self.route == 0 {
+            // The first route, or the counter wrapped: no row may claim to be this route's.
+            self.depth.fill(DepthRow::default());
+            self.route = 1;
         }
     }
 
@@ -63,14 +80,21 @@ impl RouteScratch {
         let mut any = false;
         for slot in owners {
             let row = &mut self.depth[slot as usize];
-            if row[tier] as usize == i {
-                if *row == [0; 4] {
+            if row.route != self.route {
+                *row = DepthRow {
+                    depths: [0; 4],
+                    route: self.route,
+                };
+            }
+            let depths = &mut row.depths;
+            if depths[tier] as usize == i {
+                if *depths == [0; 4] {
                     self.touched.push(slot);
                 }
-                row[tier] += 1;
+                depths[tier] += 1;
             }
             // A slot can appear twice for one key (two engine hashes); it still counts once.
-            any |= row[tier] as usize == i + 1;
+            any |= depths[tier] as usize == i + 1;
         }
         if any {
             self.deepest[tier] = i as u32 + 1;
@@ -90,7 +114,10 @@ impl RouteScratch {
 
     /// The depths of `slot`: (device or approximate, whichever is deeper; host; disk).
     pub(super) fn depths(&self, slot: Slot) -> (u32, u32, u32) {
-        let row = self.depth.get(slot as usize).copied().unwrap_or([0; 4]);
+        let row = match self.depth.get(slot as usize) {
+            Some(row) if row.route == self.route => row.depths,
+            _ => [0; 4],
+        };
         (row[DEVICE].max(row[APPROX]), row[HOST], row[DISK])
     }
 
@@ -99,16 +126,10 @@ impl RouteScratch {
         &self.touched
     }
 
-    /// Ends a route: zeroes the rows its walks touched and keeps the excluded ranks' buffer.
+    /// Ends a route: its rows go stale at once, and the excluded ranks' buffer is kept.
     pub(super) fn finish(&mut self, mut excluded: Vec<Slot>) {
-        // Past a quarter of the rows, one sequential fill beats scattered stores.
-        if self.touched.len() * 4 >= self.depth.len() {
-            self.depth.fill([0; 4]);
-        } else {
-            for &slot in &self.touched {
-                self.depth[slot as usize] = [0; 4];
-            }
-        }
+        // Wrapping to 0 makes the next `prepare` clear every row.
+        self.route = self.route.wrapping_add(1);
         self.touched.clear();
         self.deepest = [0; 4];
         excluded.clear();
@@ -415,5 +436,51 @@ impl<'a> Fleet<'a> for RouteFleet<'a> {
 
     fn view(&self, slot: Slot) -> WorkerView<'a> {
         (self.view)(slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One route's walk: `owners` of each key in turn, on the device tier.
+    fn walk(scratch: &mut RouteScratch, keys: &[&[Slot]]) {
+        scratch.prepare(8);
+        for (i, owners) in keys.iter().enumerate() {
+            if !scratch.extend(DEVICE, i, owners.iter().copied()) {
+                break;
+            }
+        }
+    }
+
+    #[test]
+    fn a_finished_routes_depths_read_as_zero_in_later_routes_also_past_the_counters_wrap() {
+        let mut scratch = RouteScratch::default();
+        walk(&mut scratch, &[&[1, 2], &[1]]);
+        assert_eq!(scratch.depths(1), (2, 0, 0), "rank 1 matched both keys");
+        assert_eq!(scratch.touched(), &[1, 2]);
+        scratch.finish(Vec::new());
+        // As if 2^32 - 3 routes that never met rank 1 went by: the counter is about to come
+        // back to the number rank 1's row carries.
+        scratch.route = u32::MAX;
+        for _ in 0..3 {
+            walk(&mut scratch, &[&[2]]);
+            assert_eq!(
+                scratch.depths(1),
+                (0, 0, 0),
+                "a depth of an earlier route never leaks into a later one"
+            );
+            assert_eq!(
+                scratch.depths(2),
+                (1, 0, 0),
+                "rank 2 starts over at the first key"
+            );
+            assert_eq!(
+                scratch.touched(),
+                &[2],
+                "only this route's matches are listed"
+            );
+            scratch.finish(Vec::new());
+        }
     }
 }
