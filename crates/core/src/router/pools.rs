@@ -28,8 +28,9 @@ pub(super) const APPROX: usize = 1;
 pub(super) const HOST: usize = 2;
 pub(super) const DISK: usize = 3;
 
-/// Depths of one route per rank and tier. Invariant between routes: no row is of the current
-/// `route` (each reads as zero), and `touched` is empty.
+/// Depths of one route per rank and tier. Invariant between routes: no row carries `route` (the
+/// next route's number; or it is 0, and the next `prepare` clears every row), so every row reads
+/// as zero, and `touched` is empty.
 #[derive(Debug, Default)]
 pub(super) struct RouteScratch {
     depth: Vec<DepthRow>,
