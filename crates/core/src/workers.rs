@@ -337,14 +337,11 @@ impl Workers {
             *label = (i as u64 + 1) * step;
         }
         self.slot_meta.clear();
-        self.slot_meta.resize(self.slots.len(), SlotMeta::default());
-        for (id, slots) in &self.by_id {
-            for &slot in slots {
-                self.slot_meta[slot as usize] = SlotMeta {
-                    order: self.order_labels[id],
-                    ranks: slots.len() as u32,
-                };
-            }
+        // A pass over the live ids once every few dozen joins; cloning them keeps one writer
+        // of the per-slot entries.
+        let ids: Vec<WorkerId> = self.by_id.keys().cloned().collect();
+        for id in &ids {
+            self.refresh_meta_of(id);
         }
     }
 

@@ -134,9 +134,10 @@ impl Router {
                 break;
             }
             let before = views.len();
-            // Room for every touched rank (and the provisional owner), so the views are written
-            // once: growing a vector of hundreds of views costs more than the spare room.
-            views.reserve(scratch.touched().len() + 1);
+            // Room for every touched rank in all (and the provisional owner), so the views are
+            // written once, whichever levels are listed: growing a vector of hundreds of views
+            // costs more than the spare room.
+            views.reserve(scratch.touched().len() + 1 - views.len());
             views.extend(
                 scratch
                     .touched()
