@@ -43,11 +43,27 @@ pub struct Telemetry {
 /// and reserves work on. A worker with one rank (the common case) is one entry; a worker with
 /// several has one entry per rank, and the worker-level fields (`state`, `model`,
 /// `capacity_blocks`, `block_size`, `dp_size`, `last_heard_ms`) are kept equal across them.
+///
+/// Laid out for routing: a decision reads every owner's load and reserved work (the first 64
+/// bytes, one cache line) and its id and state (the second), so a prefix with hundreds of owners
+/// reads two lines of each, not the four a compiler-chosen order spread them over. The snapshot
+/// keeps its own field order ([`WorkerWire`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(from = "WorkerWire", into = "WorkerWire")]
+#[repr(C, align(64))]
 pub struct Worker {
-    pub id: WorkerId,
+    /// The latest load sample of this rank.
+    pub telemetry: Option<Telemetry>,
+    /// Sum of open reservations' work on this rank (docs/architecture.md, "Reserved work").
+    pub reserved_work: u64,
+    /// The part of `reserved_work` that is prefill this rank has not finished.
+    pub reserved_prefill: u64,
     /// The data-parallel rank of this entry (`Kv-Dp-Rank`, or the batch's own field).
     pub dp_rank: u32,
+    /// Number of open reservations on this rank: the request count the `legacy` baseline
+    /// balances.
+    pub reserved_requests: u32,
+    pub id: WorkerId,
     pub state: WorkerState,
     /// The model it declared (lifecycle or load sample); routes for another model skip it.
     pub model: Option<String>,
@@ -56,15 +72,8 @@ pub struct Worker {
     pub block_size: Option<u32>,
     /// The number of data-parallel ranks the worker declared in its `join`.
     pub dp_size: Option<u32>,
-    /// The latest load sample of this rank.
-    pub telemetry: Option<Telemetry>,
     /// Daemon clock of the last message of any kind from this worker (any rank).
     pub last_heard_ms: u64,
-    /// Sum of open reservations' work on this rank (docs/architecture.md, "Reserved work").
-    pub reserved_work: u64,
-    /// Number of open reservations on this rank: the request count the `legacy` baseline
-    /// balances.
-    pub reserved_requests: u32,
     /// The engine incarnation this rank runs (`Kv-Epoch`, or the epoch a `join` carried).
     pub epoch: Option<String>,
     /// Epochs this rank ran before, oldest first, at most [`RETIRED_EPOCHS_KEPT`]: a late batch
@@ -72,9 +81,72 @@ pub struct Worker {
     pub retired_epochs: SmallVec<[String; 1]>,
     /// Last applied `Kv-Seq` in the current epoch.
     pub last_seq: Option<u64>,
-    /// The part of `reserved_work` that is prefill this rank has not finished.
+}
+
+/// A [`Worker`] as snapshots write it: the fields in the order they always had (a snapshot
+/// lists a struct's fields by position).
+#[derive(Clone, Serialize, Deserialize)]
+struct WorkerWire {
+    id: WorkerId,
+    dp_rank: u32,
+    state: WorkerState,
+    model: Option<String>,
+    capacity_blocks: Option<u64>,
+    block_size: Option<u32>,
+    dp_size: Option<u32>,
+    telemetry: Option<Telemetry>,
+    last_heard_ms: u64,
+    reserved_work: u64,
+    reserved_requests: u32,
+    epoch: Option<String>,
+    retired_epochs: SmallVec<[String; 1]>,
+    last_seq: Option<u64>,
     #[serde(default)]
-    pub reserved_prefill: u64,
+    reserved_prefill: u64,
+}
+
+impl From<WorkerWire> for Worker {
+    fn from(w: WorkerWire) -> Self {
+        Worker {
+            telemetry: w.telemetry,
+            reserved_work: w.reserved_work,
+            reserved_prefill: w.reserved_prefill,
+            dp_rank: w.dp_rank,
+            reserved_requests: w.reserved_requests,
+            id: w.id,
+            state: w.state,
+            model: w.model,
+            capacity_blocks: w.capacity_blocks,
+            block_size: w.block_size,
+            dp_size: w.dp_size,
+            last_heard_ms: w.last_heard_ms,
+            epoch: w.epoch,
+            retired_epochs: w.retired_epochs,
+            last_seq: w.last_seq,
+        }
+    }
+}
+
+impl From<Worker> for WorkerWire {
+    fn from(w: Worker) -> Self {
+        WorkerWire {
+            id: w.id,
+            dp_rank: w.dp_rank,
+            state: w.state,
+            model: w.model,
+            capacity_blocks: w.capacity_blocks,
+            block_size: w.block_size,
+            dp_size: w.dp_size,
+            telemetry: w.telemetry,
+            last_heard_ms: w.last_heard_ms,
+            reserved_work: w.reserved_work,
+            reserved_requests: w.reserved_requests,
+            epoch: w.epoch,
+            retired_epochs: w.retired_epochs,
+            last_seq: w.last_seq,
+            reserved_prefill: w.reserved_prefill,
+        }
+    }
 }
 
 /// Retired epochs remembered per rank.
@@ -636,5 +708,45 @@ mod tests {
             serde_json::from_str(&serde_json::to_string(&workers).unwrap()).unwrap();
         restored.rebuild();
         assert_order_follows_ids(&restored, "after a restore");
+    }
+
+    #[test]
+    fn a_worker_is_written_in_the_snapshots_field_order_whatever_its_layout() {
+        let mut workers = Workers::default();
+        let (slot, _) = workers.touch(&id("w1"), 3, 40);
+        let w = workers.get_mut(slot).unwrap();
+        w.model = Some("m".into());
+        w.telemetry = Some(Telemetry {
+            pressure: 0.5,
+            kv_usage: 0.25,
+            running: 2,
+            waiting: 1,
+            received_ms: 40,
+        });
+        w.reserved_work = 700;
+        w.reserved_requests = 2;
+        w.reserved_prefill = 300;
+        let worker = workers.get(slot).unwrap().clone();
+        let bytes = rmp_serde::to_vec(&worker).unwrap();
+        let rmpv::Value::Array(fields) = rmpv::decode::read_value(&mut &bytes[..]).unwrap() else {
+            panic!("a worker is written as an array of its fields");
+        };
+        let at = |i: usize| fields[i].to_string();
+        assert_eq!(fields.len(), 15, "fifteen fields, as snapshots always held");
+        assert_eq!(
+            [at(0), at(1), at(3), at(9), at(10), at(14)],
+            ["\"w1\"", "3", "\"m\"", "700", "2", "300"].map(String::from),
+            "id, rank, model and reserved work at the positions snapshots put them"
+        );
+        assert!(
+            matches!(&fields[7], rmpv::Value::Array(t) if t[0].as_f64() == Some(0.5)),
+            "the load sample is the eighth field"
+        );
+        let back: Worker = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(
+            rmp_serde::to_vec(&back).unwrap(),
+            bytes,
+            "a worker reads back as it was written"
+        );
     }
 }

@@ -94,7 +94,7 @@ impl Router {
             dp_rank: w.dp_rank,
             candidate: w.state == WorkerState::Active
                 && excluded.binary_search(&slot).is_err()
-                && serves_model(w.model.as_deref(), model),
+                && serves_model(&w.model, model),
             depth,
             host_depth,
             disk_depth,
@@ -402,11 +402,9 @@ impl Router {
 }
 
 /// A worker without a declared model serves any model; a request without a model fits any worker.
-fn serves_model(worker_model: Option<&str>, requested: Option<&str>) -> bool {
-    match (worker_model, requested) {
-        (Some(w), Some(r)) => w == r,
-        _ => true,
-    }
+fn serves_model(worker_model: &Option<String>, requested: Option<&str>) -> bool {
+    // The request first: without a model, the worker's is never read.
+    requested.is_none_or(|r| worker_model.as_deref().is_none_or(|w| w == r))
 }
 
 /// The route's random draws: ChaCha8 seeded with the input's sequence number, as every route
