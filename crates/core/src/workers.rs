@@ -258,7 +258,7 @@ pub struct Workers {
     /// each comparison. Labels leave gaps: a new id takes the midpoint of its neighbours', and
     /// only when no gap is left are all ids labelled afresh, evenly spaced.
     #[serde(skip)]
-    order_labels: BTreeMap<WorkerId, u64>,
+    order_labels: BTreeMap<WorkerId, u32>,
     /// Per slot: its id's order label and how many live ranks the id has.
     #[serde(skip)]
     slot_meta: Vec<SlotMeta>,
@@ -268,7 +268,7 @@ pub struct Workers {
 /// [`Workers::multi_rank`]).
 #[derive(Debug, Default, Clone, Copy)]
 struct SlotMeta {
-    order: u64,
+    order: u32,
     ranks: u32,
 }
 
@@ -379,8 +379,9 @@ impl Workers {
 
     /// A number that orders live ranks as their ids order: equal for the ranks of one worker,
     /// smaller for a smaller id. It changes as ids join, so it is only compared within one
-    /// route, never kept.
-    pub fn id_order(&self, slot: Slot) -> u64 {
+    /// route, never kept. 32 bits, so a route packs it with an owner's position into one
+    /// integer to sort; a fleet of 10,000 ids leaves gaps of 400,000 between labels.
+    pub fn id_order(&self, slot: Slot) -> u32 {
         self.slot_meta.get(slot as usize).map_or(0, |m| m.order)
     }
 
@@ -393,7 +394,7 @@ impl Workers {
             .range((Bound::Excluded(id), Bound::Unbounded))
             .next()
             .map(|(_, &l)| l);
-        let (low, high) = (below.unwrap_or(0), above.unwrap_or(u64::MAX));
+        let (low, high) = (below.unwrap_or(0), above.unwrap_or(u32::MAX));
         if high - low > 1 {
             self.order_labels.insert(id.clone(), low + (high - low) / 2);
         } else {
@@ -402,11 +403,11 @@ impl Workers {
         }
     }
 
-    /// Labels every live id evenly over the u64 range, in id order, and refreshes every slot.
+    /// Labels every live id evenly over the u32 range, in id order, and refreshes every slot.
     fn relabel_ids(&mut self) {
-        let step = u64::MAX / (self.order_labels.len() as u64 + 1);
+        let step = u32::MAX as u64 / (self.order_labels.len() as u64 + 1);
         for (i, label) in self.order_labels.values_mut().enumerate() {
-            *label = (i as u64 + 1) * step;
+            *label = ((i as u64 + 1) * step) as u32;
         }
         self.slot_meta.clear();
         // A pass over the live ids once every few dozen joins; cloning them keeps one writer

@@ -303,17 +303,19 @@ impl Router {
         let matched_blocks = chosen.depth;
         let held_tokens = u64::from(chosen.depth).saturating_mul(u64::from(block_size));
         // In id order, each worker once (its ranks share the id): sorted by the number that
-        // orders ids (read once per owner, where comparing ids reads two of them per step).
-        let mut owner_order: Vec<(u64, usize)> = choice
+        // orders ids (read once per owner, where comparing ids reads two of them per step),
+        // packed above the owner's position into one integer, so the sort compares and moves
+        // single words. Positions are distinct, so the order is that of a stable sort.
+        let owner_order: Vec<u64> = choice
             .known_owners
             .iter()
-            .map(|&i| (self.state.workers.id_order(views[i].slot), i))
+            .map(|&i| u64::from(self.state.workers.id_order(views[i].slot)) << 32 | i as u64)
             .collect();
-        owner_order.sort();
-        owner_order.dedup_by_key(|&mut (order, _)| order);
+        let mut owner_order = sort_packed(owner_order);
+        owner_order.dedup_by_key(|&mut packed| packed >> 32);
         let owners: Vec<WorkerId> = owner_order
             .iter()
-            .map(|&(_, i)| views[i].id.clone())
+            .map(|&packed| views[packed as u32 as usize].id.clone())
             .collect();
         let match_threshold = self.config.policy.match_threshold(req.keys.len());
         let explain = req.explain.then(|| {
@@ -401,6 +403,52 @@ impl Router {
     }
 }
 
+/// Sorts the packed (id label, position) keys of a decision's owners. A wide decision has
+/// hundreds, in an order unrelated to their ids, and a comparison sort of them mispredicts a
+/// branch at nearly every step. Labels are spread over the 32 bits, so a counting pass on the
+/// keys' top bits, about one bucket per key, leaves them nearly sorted, and an insertion pass
+/// finishes. Labels crowded together (many ids joined between two neighbours) leave the buckets
+/// unbalanced; when the insertion pass has moved keys eight times their number, the standard
+/// sort takes over, so the worst case stays a comparison sort's.
+fn sort_packed(mut keys: Vec<u64>) -> Vec<u64> {
+    let n = keys.len();
+    if n < 128 {
+        keys.sort_unstable();
+        return keys;
+    }
+    let bits = n.next_power_of_two().trailing_zeros();
+    let shift = 64 - bits;
+    let mut starts = vec![0u32; (1 << bits) + 1];
+    for &k in &keys {
+        starts[(k >> shift) as usize + 1] += 1;
+    }
+    for b in 1..starts.len() {
+        starts[b] += starts[b - 1];
+    }
+    let mut out = vec![0u64; n];
+    for &k in &keys {
+        let b = (k >> shift) as usize;
+        out[starts[b] as usize] = k;
+        starts[b] += 1;
+    }
+    let mut moves = 0usize;
+    for i in 1..n {
+        let k = out[i];
+        let mut j = i;
+        while j > 0 && out[j - 1] > k {
+            out[j] = out[j - 1];
+            j -= 1;
+        }
+        out[j] = k;
+        moves += i - j;
+        if moves > 8 * n {
+            out.sort_unstable();
+            break;
+        }
+    }
+    out
+}
+
 /// A worker without a declared model serves any model; a request without a model fits any worker.
 fn serves_model(worker_model: &Option<String>, requested: Option<&str>) -> bool {
     // The request first: without a model, the worker's is never read.
@@ -461,6 +509,32 @@ mod tests {
                 assert_eq!(
                     a, b,
                     "seed {seed}, draw {round}: a replay must draw the same numbers"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn packed_owner_keys_come_out_in_order_spread_crowded_or_few() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for n in [0, 1, 5, 127, 128, 300, 512, 4096] {
+            let spread: Vec<u64> = (0..n).map(|_| rng.random()).collect();
+            // Every label within 1,000 of the others: all keys share one bucket.
+            let crowded: Vec<u64> = (0..n)
+                .map(|i| (rng.random_range(0..1_000u64) << 32) | i as u64)
+                .collect();
+            let descending: Vec<u64> = (0..n as u64).rev().map(|i| i << 40).collect();
+            for (form, keys) in [
+                ("spread", spread),
+                ("crowded", crowded),
+                ("descending", descending),
+            ] {
+                let mut expected = keys.clone();
+                expected.sort_unstable();
+                assert_eq!(
+                    sort_packed(keys),
+                    expected,
+                    "{n} {form} keys are sorted as the standard sort sorts them"
                 );
             }
         }
