@@ -12,6 +12,13 @@ use super::*;
 use crate::replicas::PeerRoute;
 use crate::workers::Worker;
 
+/// A listing of at least this many matched ranks asks for their worker entries ahead of use:
+/// hundreds of owners otherwise wait for their entries one after another. Smaller listings
+/// skip it, as their entries are few and the hints would only take cache room.
+const WIDE_LISTING: usize = 64;
+/// How far ahead of the listing a worker entry is asked for (16 measured a little ahead of 8).
+const WORKERS_AHEAD: usize = 16;
+
 impl Router {
     /// Walks `keys` through device, approximate, host and disk ownership into `scratch`: each
     /// rank's longest consecutive match per tier, and the ranks with any. (The scratch is the
@@ -138,12 +145,19 @@ impl Router {
             // written once, whichever levels are listed: growing a vector of hundreds of views
             // costs more than the spare room.
             views.reserve(scratch.touched().len() + 1 - views.len());
+            let touched = scratch.touched();
+            let prefetch = touched.len() >= WIDE_LISTING;
             views.extend(
-                scratch
-                    .touched()
+                touched
                     .iter()
-                    .filter(|&&slot| depth(slot) == level && live(slot))
-                    .map(|&slot| view_of(slot)),
+                    .enumerate()
+                    .filter(|&(i, &slot)| {
+                        if let (true, Some(&next)) = (prefetch, touched.get(i + WORKERS_AHEAD)) {
+                            self.state.workers.prefetch(next);
+                        }
+                        depth(slot) == level && live(slot)
+                    })
+                    .map(|(_, &slot)| view_of(slot)),
             );
             listed_from = level;
             if attempt == 1 || views[before..].iter().any(|v| v.candidate) {
