@@ -768,4 +768,34 @@ mod tests {
             "a worker reads back as it was written"
         );
     }
+
+    #[test]
+    fn what_a_route_reads_of_a_worker_lies_in_its_first_two_cache_lines() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(align_of::<Worker>(), 64, "an entry starts a cache line");
+        assert_eq!(
+            size_of::<Option<Worker>>(),
+            size_of::<Worker>(),
+            "a slot is laid out as its worker, so a prefetch of a slot's lines is the worker's"
+        );
+        let load = [
+            offset_of!(Worker, telemetry) + size_of::<Option<Telemetry>>(),
+            offset_of!(Worker, reserved_work) + 8,
+            offset_of!(Worker, reserved_prefill) + 8,
+            offset_of!(Worker, dp_rank) + 4,
+            offset_of!(Worker, reserved_requests) + 4,
+        ];
+        assert!(
+            load.iter().all(|&end| end <= 64),
+            "load and reserved work end within the first line: {load:?}"
+        );
+        let identity = [
+            offset_of!(Worker, id) + size_of::<WorkerId>(),
+            offset_of!(Worker, state) + 1,
+        ];
+        assert!(
+            identity.iter().all(|&end| end <= 128),
+            "id and state end within the second line: {identity:?}"
+        );
+    }
 }
