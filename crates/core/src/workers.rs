@@ -85,7 +85,7 @@ pub struct Worker {
 
 /// A [`Worker`] as snapshots write it: the fields in the order they always had (a snapshot
 /// lists a struct's fields by position).
-#[derive(Clone, Serialize, Deserialize)]
+#[derive(Serialize, Deserialize)]
 struct WorkerWire {
     id: WorkerId,
     dp_rank: u32,
@@ -410,7 +410,8 @@ impl Workers {
             *label = ((i as u64 + 1) * step) as u32;
         }
         self.slot_meta.clear();
-        // A pass over the live ids once every few dozen joins; cloning them keeps one writer
+        // A pass over the live ids, at worst once every 32 - log2(ids) joins (when ids all join
+        // at one end, each halves the gap left there); cloning them keeps one writer
         // of the per-slot entries.
         let ids: Vec<WorkerId> = self.by_id.keys().cloned().collect();
         for id in &ids {
