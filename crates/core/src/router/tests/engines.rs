@@ -613,3 +613,30 @@ fn owners_are_listed_in_id_order_once_per_worker_whatever_order_they_joined_in()
         "owners are listed in id order, a worker with two owning ranks once"
     );
 }
+
+#[test]
+fn hundreds_of_owners_are_listed_in_id_order_once_per_worker() {
+    // 300 workers joining in a scrambled order, every third with a second owning rank: the
+    // wide path of a decision (entries asked for ahead, owners sorted by a counting pass).
+    let mut fleet = Fleet::new();
+    let names: Vec<String> = (0..300u32)
+        .map(|i| format!("w{}", (i * 7919) % 300))
+        .collect();
+    for (i, name) in names.iter().enumerate() {
+        fleet.store(name, &PROMPT);
+        if i % 3 == 0 {
+            fleet.batch(
+                name,
+                (1, None, None),
+                vec![chain_event(&PROMPT, Medium::Gpu)],
+            );
+        }
+    }
+    let mut expected: Vec<WorkerId> = names.iter().map(|n| id(n)).collect();
+    expected.sort();
+    let d = fleet.route(&PROMPT);
+    assert_eq!(
+        d.owners, expected,
+        "300 owners are listed in id order, a worker with two owning ranks once"
+    );
+}
