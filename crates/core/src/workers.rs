@@ -255,8 +255,9 @@ pub struct Workers {
     is_changed: Vec<bool>,
     /// Each live id's place in id order as a number ([`Workers::id_order`]), so a decision
     /// sorts its owners by a number beside it instead of reading every owner's id again at
-    /// each comparison. Labels leave gaps: a new id takes the midpoint of its neighbours', and
-    /// only when no gap is left are all ids labelled afresh, evenly spaced.
+    /// each comparison. Labels leave gaps: a new id takes the midpoint of its neighbours' (or,
+    /// beyond an end, the usual spacing past it), and only when no gap is left are all ids
+    /// labelled afresh, evenly spaced.
     #[serde(skip)]
     order_labels: BTreeMap<WorkerId, u32>,
     /// Per slot: its id's order label and how many live ranks the id has.
@@ -380,13 +381,15 @@ impl Workers {
     /// A number that orders live ranks as their ids order: equal for the ranks of one worker,
     /// smaller for a smaller id. It changes as ids join, so it is only compared within one
     /// route, never kept. 32 bits, so a route packs it with an owner's position into one
-    /// integer to sort; a fleet of 10,000 ids leaves gaps of 400,000 between labels.
+    /// integer to sort; a fleet of 10,000 ids leaves gaps of 200,000 between labels.
     pub fn id_order(&self, slot: Slot) -> u32 {
         self.slot_meta.get(slot as usize).map_or(0, |m| m.order)
     }
 
     /// Gives a new id the label halfway between its neighbours', or labels every id afresh when
-    /// they leave no gap.
+    /// they leave no gap. An id beyond either end takes the spacing of a fresh labelling past
+    /// its neighbour, not half the room left there: ids often join in their own order (`w0001`,
+    /// `w0002`, ...), and halving would label every id afresh every few dozen joins.
     fn label_new_id(&mut self, id: &WorkerId) {
         let below = self.order_labels.range(..id).next_back().map(|(_, &l)| l);
         let above = self
@@ -394,24 +397,44 @@ impl Workers {
             .range((Bound::Excluded(id), Bound::Unbounded))
             .next()
             .map(|(_, &l)| l);
-        let (low, high) = (below.unwrap_or(0), above.unwrap_or(u32::MAX));
-        if high - low > 1 {
-            self.order_labels.insert(id.clone(), low + (high - low) / 2);
-        } else {
-            self.order_labels.insert(id.clone(), 0);
-            self.relabel_ids();
+        let step = self.label_step();
+        let label = match (below, above) {
+            (Some(low), None) => low.checked_add(step).filter(|&l| l < u32::MAX),
+            (None, Some(high)) => high.checked_sub(step).filter(|&l| l > 0),
+            (low, high) => {
+                let (low, high) = (low.unwrap_or(0), high.unwrap_or(u32::MAX));
+                (high - low > 1).then(|| low + (high - low) / 2)
+            }
+        };
+        match label {
+            Some(label) => {
+                self.order_labels.insert(id.clone(), label);
+            }
+            None => {
+                self.order_labels.insert(id.clone(), 0);
+                self.relabel_ids();
+            }
         }
     }
 
-    /// Labels every live id evenly over the u32 range, in id order, and refreshes every slot.
+    /// The spacing of a fresh labelling: the live ids spread over the middle half of the u32
+    /// range, so each end keeps a quarter of it for ids that join beyond the ends.
+    fn label_step(&self) -> u32 {
+        (u64::from(u32::MAX / 2) / (self.order_labels.len() as u64 + 1)).max(1) as u32
+    }
+
+    /// Labels every live id evenly over the middle half of the u32 range, in id order, and
+    /// refreshes every slot.
     fn relabel_ids(&mut self) {
-        let step = u32::MAX as u64 / (self.order_labels.len() as u64 + 1);
+        let step = u64::from(self.label_step());
+        let start = u64::from(u32::MAX / 4);
         for (i, label) in self.order_labels.values_mut().enumerate() {
-            *label = ((i as u64 + 1) * step) as u32;
+            *label = (start + (i as u64 + 1) * step) as u32;
         }
         self.slot_meta.clear();
-        // A pass over the live ids, at worst once every 32 - log2(ids) joins (when ids all join
-        // at one end, each halves the gap left there); cloning them keeps one writer
+        // A pass over the live ids, once the ids joining beyond an end have used its quarter of
+        // the range (about a quarter as many joins as there are ids) or the ids joining between
+        // two neighbours have halved their gap away; cloning them keeps one writer
         // of the per-slot entries.
         let ids: Vec<WorkerId> = self.by_id.keys().cloned().collect();
         for id in &ids {
@@ -710,8 +733,8 @@ mod tests {
         let mut workers = Workers::default();
         workers.touch(&id("m"), 0, 0);
         // Ids joining in ascending order above "m" and in descending order below it: each
-        // takes half of the gap left at its end, so the labels run out and are all written
-        // afresh, more than once at each end.
+        // takes the usual spacing past its end, so the ends' room runs out and the labels are
+        // all written afresh, several times.
         for i in 0..150 {
             for name in [format!("w{i:04}"), format!("d{:04}", 999 - i)] {
                 let (slot, _) = workers.touch(&id(&name), 0, 0);
@@ -722,6 +745,13 @@ mod tests {
                     workers.remove(slot);
                 }
             }
+        }
+        // Ids squeezed between the same two neighbours ("m0" < "m09" < "m099" < ... < "m1"):
+        // each halves the gap left, so it closes and the labels are written afresh.
+        workers.touch(&id("m0"), 0, 0);
+        workers.touch(&id("m1"), 0, 0);
+        for k in 1..=80 {
+            workers.touch(&id(&format!("m0{}", "9".repeat(k))), 0, 0);
         }
         assert_order_follows_ids(&workers, "after joins and leaves");
         let mut restored: Workers =

@@ -419,11 +419,11 @@ impl Router {
 
 /// Sorts the packed (id label, position) keys of a decision's owners. A wide decision has
 /// hundreds, in an order unrelated to their ids, and a comparison sort of them mispredicts a
-/// branch at nearly every step. Labels are spread over the 32 bits, so a counting pass on the
-/// keys' top bits, two buckets per key, leaves them nearly sorted, and an insertion pass
-/// finishes. Labels crowded together (many ids joined between two neighbours) leave the buckets
-/// unbalanced; when the insertion pass has moved keys eight times their number, the standard
-/// sort takes over, so the worst case stays a comparison sort's.
+/// branch at nearly every step. Labels are spread evenly when written afresh, so a counting
+/// pass on the keys' top bits, about two buckets per key, leaves them nearly sorted, and an
+/// insertion pass finishes. Labels crowded together (many ids joined between two neighbours)
+/// leave the buckets unbalanced; when the insertion pass has moved keys eight times their
+/// number, the standard sort takes over, so the worst case stays a comparison sort's.
 fn sort_packed(mut keys: Vec<u64>) -> Vec<u64> {
     let n = keys.len();
     if n < 128 {
@@ -433,16 +433,17 @@ fn sort_packed(mut keys: Vec<u64>) -> Vec<u64> {
     // Two buckets per key: fewer keys share one, so fewer are left out of order.
     let bits = n.next_power_of_two().trailing_zeros() + 1;
     let shift = 64 - bits;
+    let bucket = |k: u64| (k >> shift) as usize;
     let mut starts = vec![0u32; (1 << bits) + 1];
     for &k in &keys {
-        starts[(k >> shift) as usize + 1] += 1;
+        starts[bucket(k) + 1] += 1;
     }
     for b in 1..starts.len() {
         starts[b] += starts[b - 1];
     }
     let mut out = vec![0u64; n];
     for &k in &keys {
-        let b = (k >> shift) as usize;
+        let b = bucket(k);
         out[starts[b] as usize] = k;
         starts[b] += 1;
     }
@@ -540,14 +541,24 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         for n in [0, 1, 5, 127, 128, 300, 512, 4096] {
             let spread: Vec<u64> = (0..n).map(|_| rng.random()).collect();
-            // Every label within 1,000 of the others: all keys share one bucket.
+            // Two labels, positions descending: the buckets hold half the keys each, out of
+            // order, so the insertion pass gives up and the standard sort finishes.
             let crowded: Vec<u64> = (0..n)
-                .map(|i| (rng.random_range(0..1_000u64) << 32) | i as u64)
+                .map(|i| (rng.random_range(0..2u64) << 32) | (n - i) as u64)
+                .collect();
+            // One label far from the rest, which lie within 1,000 of each other: the rest share
+            // a bucket.
+            let outlier: Vec<u64> = (0..n)
+                .map(|i| match i {
+                    0 => u64::from(u32::MAX) << 32,
+                    _ => (rng.random_range(0..1_000u64) << 32) | i as u64,
+                })
                 .collect();
             let descending: Vec<u64> = (0..n as u64).rev().map(|i| i << 40).collect();
             for (form, keys) in [
                 ("spread", spread),
                 ("crowded", crowded),
+                ("outlier", outlier),
                 ("descending", descending),
             ] {
                 let mut expected = keys.clone();
