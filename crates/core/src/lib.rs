@@ -19,11 +19,13 @@
 //!   unique across them.
 //! - [`hashing`]: block keys from token ids.
 //! - [`wire`]: pure decoders and encoders of the NATS payloads.
+//! - `prefetch`: the one cache-line hint the index and the route path share.
 
 pub mod hashing;
 pub mod index;
 pub mod input;
 pub mod policy;
+mod prefetch;
 pub mod replicas;
 pub mod reservations;
 pub mod router;

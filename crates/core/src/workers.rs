@@ -10,6 +10,7 @@ use smallvec::SmallVec;
 
 use crate::index::Slot;
 use crate::input::{LoadSample, WorkerId, MAX_SEQ_JUMP};
+use crate::prefetch::prefetch;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -459,22 +460,16 @@ impl Workers {
         }
     }
 
-    /// Asks the CPU to start loading the two cache lines of `slot` a route reads ([`Worker`]).
+    /// Asks the CPU to start loading the two cache lines of `slot` a route reads ([`Worker`]),
+    /// without reading the entry (not even whether it is live).
     #[inline]
-    pub fn prefetch(&self, slot: Slot) {
-        #[cfg(target_arch = "x86_64")]
+    pub(crate) fn prefetch(&self, slot: Slot) {
         if let Some(entry) = self.slots.get(slot as usize) {
-            let at = (entry as *const Option<Worker>).cast::<i8>();
-            // SAFETY: a prefetch is a hint; it never faults, and both lines are in the entry (an
-            // `Option<Worker>` is laid out as the worker, 256 bytes, the `None` kept in a niche).
-            unsafe {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                _mm_prefetch::<_MM_HINT_T0>(at);
-                _mm_prefetch::<_MM_HINT_T0>(at.add(64));
-            }
+            // An `Option<Worker>` is laid out as the worker (the `None` kept in a niche).
+            let at = (entry as *const Option<Worker>).cast::<u8>();
+            prefetch(at);
+            prefetch(at.wrapping_add(64));
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = slot;
     }
 
     pub fn get(&self, slot: Slot) -> Option<&Worker> {

@@ -33,6 +33,7 @@ use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::table_memory::TableArray;
+use crate::prefetch::prefetch;
 
 /// The tag of a free bucket. A used bucket's tag has its top bit set.
 const FREE: u8 = 0;
@@ -153,18 +154,11 @@ impl KeyTable {
     /// Asks the CPU to start loading `key`'s tag and bucket.
     #[inline]
     pub(super) fn prefetch(&self, key: u64) {
-        #[cfg(target_arch = "x86_64")]
         if !self.tags.is_empty() {
             let i = self.home(key);
-            // SAFETY: a prefetch is a hint; it never faults, and both pointers are in bounds.
-            unsafe {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                _mm_prefetch::<_MM_HINT_T0>((&self.tags[i] as *const u8).cast());
-                _mm_prefetch::<_MM_HINT_T0>((&self.buckets[i] as *const (u64, u64)).cast());
-            }
+            prefetch(&self.tags[i]);
+            prefetch(&self.buckets[i]);
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = key;
     }
 
     pub fn get(&self, key: u64) -> Option<u64> {

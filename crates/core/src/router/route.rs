@@ -144,8 +144,8 @@ impl Router {
             // Room for every touched rank in all (and the provisional owner), so the views are
             // written once, whichever levels are listed: growing a vector of hundreds of views
             // costs more than the spare room.
-            views.reserve(scratch.touched().len() + 1 - views.len());
             let touched = scratch.touched();
+            views.reserve(touched.len() + 1 - views.len());
             let prefetch = touched.len() >= WIDE_LISTING;
             views.extend(
                 touched
