@@ -3,7 +3,9 @@
 //!
 //! Layout of the data directory (one sled database):
 //!
-//! - tree `journal`: sequence number (u64 big-endian) → [`JournalEntry`] (MessagePack);
+//! - tree `journal`: sequence number (u64 big-endian) → a run of [`JournalEntry`]s (MessagePack,
+//!   one after another), the first with that sequence number and each next one the number after;
+//!   schema version 2 wrote one entry per key, which reads as a run of one;
 //! - tree `snapshots`: sequence number covered → [`Snapshot`] (MessagePack); the latest two kept;
 //! - tree `meta`: `schema_version`; `reservation_secret` (32 random bytes, made on the first
 //!   start: the key of this replica's reservation ids) and `incarnation` (4 random bytes: which
@@ -20,7 +22,7 @@ pub use export::{read_export, write_export, ExportReader};
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -28,11 +30,27 @@ use crate::input::{Input, WorkerId};
 use crate::policy::DecisionLabel;
 use crate::router::{Output, RouterConfig, RouterState};
 
-/// Version of the on-disk format. A data dir written by another version is refused.
+/// Version of the on-disk format. A data dir written by a newer version is refused, and one
+/// older than [`OLDEST_READABLE_SCHEMA`] too.
 ///
 /// Version 2 holds ownership, load and reserved work per (worker, data-parallel rank), with
 /// epochs, store counts and lower tiers: a version-1 snapshot cannot be read as that state.
-pub const SCHEMA_VERSION: u32 = 2;
+/// Version 3 stores journal entries in runs (see [`GROUP_BYTES`]); it reads version 2's single
+/// entries as runs of one, so a version-2 dir is opened and stamped 3, after which a version-2
+/// build refuses it (it would read only the first entry of each run).
+pub const SCHEMA_VERSION: u32 = 3;
+
+/// The oldest on-disk format this build reads (see [`SCHEMA_VERSION`]).
+pub const OLDEST_READABLE_SCHEMA: u32 = 2;
+
+/// Journal entries are gathered into runs of about this many bytes, each stored under one sled
+/// key. sled's cost per insert is large and grows with the value (it rewrites a leaf of up to 16
+/// values every 10 inserts into it): one insert per 2.3 KB route entry cost 22–45 µs of CPU,
+/// counting sled's own threads, where runs of 64 KiB cost 6–16 µs per entry, and journaled ingest
+/// ran twice as fast (`cargo bench --bench journal`; docs/performance.md, "Round 5, tenth
+/// part"). Leaves of runs this size pass sled's blob threshold, so sled writes them to files of
+/// their own instead of its log; runs of 7 KB, which stay in the log, saved nothing.
+const GROUP_BYTES: usize = 64 << 10;
 
 /// Snapshots kept; journal retention never drops entries the oldest of them needs.
 const SNAPSHOTS_KEPT: usize = 2;
@@ -114,11 +132,11 @@ pub enum JournalError {
         found: u32,
         supported: u32,
     },
-    #[error("data dir {dir} was written by an older kvrouted (schema version {found}; this build reads version {supported} only, with ownership per data-parallel rank); move it aside and start with an empty --data-dir: JetStream redelivers what the stream still holds")]
+    #[error("data dir {dir} was written by an older kvrouted (schema version {found}; this build reads version {oldest} and later, with ownership per data-parallel rank); move it aside and start with an empty --data-dir: JetStream redelivers what the stream still holds")]
     PastSchema {
         dir: String,
         found: u32,
-        supported: u32,
+        oldest: u32,
     },
     #[error("{dir} is not a kvrouted data dir (no journal there); check --data-dir")]
     NotADataDir { dir: String },
@@ -168,6 +186,124 @@ pub struct Journal {
     entries: sled::Tree,
     snapshots: sled::Tree,
     bytes: Arc<ByteCount>,
+    pending: Arc<Pending>,
+}
+
+/// The run of entries appended since the last one went to sled (see [`GROUP_BYTES`]). Every
+/// read and every flush settles it first, so appended entries are visible at once and a flush
+/// makes all of them durable. Its lock is held across the sled insert of a run, so a flush
+/// never finds a run on its way to sled and acks entries that are in neither place.
+struct Pending {
+    entries: sled::Tree,
+    run: Mutex<Run>,
+}
+
+#[derive(Default)]
+struct Run {
+    first_seq: u64,
+    next_seq: u64,
+    bytes: Vec<u8>,
+}
+
+impl Pending {
+    fn lock(&self) -> MutexGuard<'_, Run> {
+        // A panic while encoding left at most a partial entry, which the insert's error then
+        // reports; the lock itself holds nothing else to protect.
+        self.run
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Stores the run under its first sequence number and starts an empty one.
+    fn store(&self, run: &mut Run) -> Result<()> {
+        if !run.bytes.is_empty() {
+            self.entries
+                .insert(run.first_seq.to_be_bytes(), &run.bytes[..])?;
+            run.bytes.clear();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Pending {
+    /// The last handle's drop stores what is left, as sled keeps what was inserted when its last
+    /// handle goes.
+    fn drop(&mut self) {
+        let mut run = std::mem::take(&mut *self.lock());
+        if let Err(e) = self.store(&mut run) {
+            tracing::error!("journal entries appended last were not stored: {e}");
+        }
+    }
+}
+
+/// The entries of one stored run, in order, each with its sequence number, where its bytes start
+/// in the run and how many there are.
+struct StoredRun {
+    seq: u64,
+    value: sled::IVec,
+    at: usize,
+}
+
+struct StoredEntry {
+    seq: u64,
+    entry: JournalEntry,
+    at: usize,
+    len: usize,
+}
+
+impl StoredRun {
+    fn new(key: &[u8], value: sled::IVec) -> StoredRun {
+        StoredRun {
+            seq: seq_of(key),
+            value,
+            at: 0,
+        }
+    }
+}
+
+impl Iterator for StoredRun {
+    type Item = Result<StoredEntry>;
+
+    fn next(&mut self) -> Option<Result<StoredEntry>> {
+        if self.at >= self.value.len() {
+            return None;
+        }
+        let mut rest = &self.value[self.at..];
+        let before = rest.len();
+        let seq = self.seq;
+        match rmp_serde::from_read::<_, JournalEntry>(&mut rest) {
+            Ok(entry) => {
+                let (at, len) = (self.at, before - rest.len());
+                self.at += len;
+                self.seq += 1;
+                Some(Ok(StoredEntry {
+                    seq,
+                    entry,
+                    at,
+                    len,
+                }))
+            }
+            Err(e) => {
+                self.at = self.value.len();
+                Some(Err(JournalError::Corrupt {
+                    seq,
+                    detail: e.to_string(),
+                }))
+            }
+        }
+    }
+}
+
+/// The sequence number of the last entry in `entries`, if any.
+fn last_seq_in(entries: &sled::Tree) -> Result<Option<u64>> {
+    let Some((k, v)) = entries.last()? else {
+        return Ok(None);
+    };
+    let mut last = None;
+    for stored in StoredRun::new(&k, v) {
+        last = Some(stored?.seq);
+    }
+    Ok(last)
 }
 
 /// The encoded size of the journal, kept up to date so that retention does not rescan it after
@@ -225,12 +361,16 @@ impl Journal {
                         supported: SCHEMA_VERSION,
                     });
                 }
-                if found < SCHEMA_VERSION {
+                if found < OLDEST_READABLE_SCHEMA {
                     return Err(JournalError::PastSchema {
                         dir: shown,
                         found,
-                        supported: SCHEMA_VERSION,
+                        oldest: OLDEST_READABLE_SCHEMA,
                     });
+                }
+                if found < SCHEMA_VERSION && create {
+                    // This daemon writes runs, which the build that wrote the dir cannot read.
+                    meta.insert("schema_version", &SCHEMA_VERSION.to_be_bytes())?;
                 }
             }
             None if create => {
@@ -239,8 +379,12 @@ impl Journal {
             None => return Err(JournalError::NotADataDir { dir: shown }),
         }
         let entries = db.open_tree("journal")?;
-        let at_open_upto = entries.last()?.map(|(k, _)| seq_of(&k));
+        let at_open_upto = last_seq_in(&entries)?;
         Ok(Journal {
+            pending: Arc::new(Pending {
+                entries: entries.clone(),
+                run: Mutex::default(),
+            }),
             entries,
             snapshots: db.open_tree("snapshots")?,
             db,
@@ -271,21 +415,43 @@ impl Journal {
     }
 
     /// Appends one entry (in memory until the next flush). Returns its encoded size.
+    ///
+    /// Entries with consecutive sequence numbers join the pending run, which goes to sled once
+    /// it holds [`GROUP_BYTES`]; an entry that does not follow the one before starts a new run.
     pub fn append(&self, seq: u64, entry: &JournalEntry) -> Result<usize> {
-        let bytes = encode(entry);
-        let len = bytes.len();
-        self.entries.insert(seq.to_be_bytes(), bytes)?;
+        let mut run = self.pending.lock();
+        if !run.bytes.is_empty() && seq != run.next_seq {
+            self.pending.store(&mut run)?;
+        }
+        if run.bytes.is_empty() {
+            run.first_seq = seq;
+        }
+        let before = run.bytes.len();
+        rmp_serde::encode::write(&mut run.bytes, entry).expect("journal records always serialize");
+        let len = run.bytes.len() - before;
+        run.next_seq = seq + 1;
         self.bytes.appended.fetch_add(len as u64, Ordering::Relaxed);
+        if run.bytes.len() >= GROUP_BYTES {
+            self.pending.store(&mut run)?;
+        }
         Ok(len)
+    }
+
+    /// Stores the pending run in sled, where reads and flushes find it.
+    fn settle(&self) -> Result<()> {
+        let mut run = self.pending.lock();
+        self.pending.store(&mut run)
     }
 
     /// Makes every append so far durable.
     pub fn flush(&self) -> Result<()> {
+        self.settle()?;
         self.db.flush()?;
         Ok(())
     }
 
     pub async fn flush_async(&self) -> Result<()> {
+        self.settle()?;
         self.db.flush_async().await?;
         Ok(())
     }
@@ -327,8 +493,7 @@ impl Journal {
     /// incarnation.
     pub fn end_run(&self) -> Result<()> {
         self.db.open_tree("meta")?.remove("running")?;
-        self.db.flush()?;
-        Ok(())
+        self.flush()
     }
 
     /// `N` random bytes from the operating system under `key` in the `meta` tree: made and
@@ -351,26 +516,43 @@ impl Journal {
 
     /// Sequence number of the last journaled entry.
     pub fn last_seq(&self) -> Result<Option<u64>> {
-        Ok(self.entries.last()?.map(|(k, _)| seq_of(&k)))
+        self.settle()?;
+        last_seq_in(&self.entries)
     }
 
     pub fn first_seq(&self) -> Result<Option<u64>> {
+        self.settle()?;
         Ok(self.entries.first()?.map(|(k, _)| seq_of(&k)))
     }
 
     /// Entries with a sequence number above `after`, in order.
     pub fn entries_after(&self, after: u64) -> impl Iterator<Item = Result<(u64, JournalEntry)>> {
-        self.entries
-            .range((after.saturating_add(1)).to_be_bytes()..)
-            .map(|item| {
-                let (k, v) = item?;
-                let seq = seq_of(&k);
-                let entry = rmp_serde::from_slice(&v).map_err(|e| JournalError::Corrupt {
-                    seq,
-                    detail: e.to_string(),
-                })?;
-                Ok((seq, entry))
-            })
+        let start = after.saturating_add(1);
+        // The run that holds `start` begins at or before it.
+        let from = self.settle().and_then(|()| {
+            Ok(
+                match self.entries.range(..=start.to_be_bytes()).next_back() {
+                    Some(item) => seq_of(&item?.0),
+                    None => start,
+                },
+            )
+        });
+        let (runs, failed) = match from {
+            Ok(from) => (Some(self.entries.range(from.to_be_bytes()..)), None),
+            Err(e) => (None, Some(Err(e))),
+        };
+        let entries = runs.into_iter().flatten().flat_map(|item| {
+            let run: Box<dyn Iterator<Item = Result<StoredEntry>>> = match item {
+                Ok((k, v)) => Box::new(StoredRun::new(&k, v)),
+                Err(e) => Box::new(std::iter::once(Err(e.into()))),
+            };
+            run
+        });
+        failed.into_iter().chain(
+            entries
+                .filter(move |stored| !matches!(stored, Ok(s) if s.seq < start))
+                .map(|stored| stored.map(|s| (s.seq, s.entry))),
+        )
     }
 
     /// Stores a snapshot and flushes; keeps the latest [`SNAPSHOTS_KEPT`].
@@ -411,29 +593,46 @@ impl Journal {
 
     /// Drops journal entries older than `max_age_ms` or beyond `max_bytes` (oldest first), but
     /// never one that the oldest kept snapshot does not cover. Returns how many were dropped.
+    ///
+    /// A run is dropped entry by entry: when it is cut, the entries kept are stored again under
+    /// the first one's sequence number, in one batch with the run's removal.
     pub fn prune(&self, now_ms: u64, max_age_ms: u64, max_bytes: u64) -> Result<u64> {
         let Some(covered) = self.snapshots.first()?.map(|(k, _)| seq_of(&k)) else {
             return Ok(0);
         };
+        self.settle()?;
         let mut total = self.journal_bytes()?;
         let mut dropped = 0;
         for item in self.entries.range(..=covered.to_be_bytes()) {
             let (k, v) = item?;
-            let entry: JournalEntry =
-                rmp_serde::from_slice(&v).map_err(|e| JournalError::Corrupt {
-                    seq: seq_of(&k),
-                    detail: e.to_string(),
-                })?;
-            let too_old = now_ms.saturating_sub(entry.at_ms) > max_age_ms;
-            if !too_old && total <= max_bytes {
+            let mut kept_from = None;
+            let mut dropped_bytes = 0;
+            for stored in StoredRun::new(&k, v.clone()) {
+                let stored = stored?;
+                let too_old = now_ms.saturating_sub(stored.entry.at_ms) > max_age_ms;
+                if stored.seq > covered || (!too_old && total <= max_bytes) {
+                    kept_from = Some(stored);
+                    break;
+                }
+                total = total.saturating_sub(stored.len as u64);
+                dropped_bytes += stored.len as u64;
+                dropped += 1;
+            }
+            if dropped_bytes == 0 {
                 break;
             }
-            self.entries.remove(&k)?;
+            let mut batch = sled::Batch::default();
+            batch.remove(&k);
+            if let Some(kept) = &kept_from {
+                batch.insert(&kept.seq.to_be_bytes(), &v[kept.at..]);
+            }
+            self.entries.apply_batch(batch)?;
             self.bytes
                 .dropped
-                .fetch_add(v.len() as u64, Ordering::Relaxed);
-            total = total.saturating_sub(v.len() as u64);
-            dropped += 1;
+                .fetch_add(dropped_bytes, Ordering::Relaxed);
+            if kept_from.is_some() {
+                break;
+            }
         }
         Ok(dropped)
     }

@@ -51,6 +51,7 @@ fn reopen(dir: &Path, open: fn(&Path) -> Result<Journal>) -> Result<Journal> {
 }
 
 fn scanned_bytes(journal: &Journal) -> u64 {
+    journal.settle().unwrap();
     journal
         .entries
         .iter()
@@ -443,5 +444,113 @@ fn an_unclean_stop_renews_the_incarnation_and_a_clean_one_keeps_it() {
         journal.incarnation().unwrap(),
         first,
         "after an unclean stop decisions go out under a new incarnation"
+    );
+}
+
+/// A route entry of `blocks` keys, stamped at `seq` ms.
+fn long_route(seq: u64, blocks: u64) -> JournalEntry {
+    JournalEntry {
+        at_ms: seq,
+        input: Input::Route(RouteRequest {
+            model: None,
+            lora: None,
+            keys: crate::hashing::chain_locals((0..blocks).map(|b| seq * 1_000 + b)),
+            prompt_tokens: blocks * 16,
+            max_output_tokens: None,
+            exclude: Vec::new(),
+            request_id: None,
+            explain: false,
+        }),
+        outcome: None,
+    }
+}
+
+#[test]
+fn entries_are_stored_in_runs_and_read_back_one_by_one_from_any_sequence_number() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let written: Vec<JournalEntry> = (1..=120).map(|seq| long_route(seq, 256)).collect();
+    for (seq, entry) in (1..).zip(&written) {
+        journal.append(seq, entry).unwrap();
+    }
+    journal.settle().unwrap();
+    let runs = journal.entries.len();
+    assert!(
+        (2..=10).contains(&runs),
+        "120 entries of 2.3 KB go to sled in a few runs of about {GROUP_BYTES} bytes, not one \
+         insert each: {runs} keys"
+    );
+    for after in [0, 1, 27, 28, 29, 64, 119, 120] {
+        let read: Vec<(u64, JournalEntry)> =
+            journal.entries_after(after).collect::<Result<_>>().unwrap();
+        let expected: Vec<(u64, JournalEntry)> = (after + 1..=120)
+            .map(|seq| (seq, written[seq as usize - 1].clone()))
+            .collect();
+        assert!(
+            read == expected,
+            "entries after {after} are each entry after it once, in order, with its own \
+             sequence number (read {} entries)",
+            read.len()
+        );
+    }
+    assert_eq!(journal.last_seq().unwrap(), Some(120));
+    drop(journal);
+    let journal = reopen(dir.path(), Journal::open).unwrap();
+    assert_eq!(
+        journal.entries_after(0).count(),
+        120,
+        "the run still pending when the last handle went was stored"
+    );
+    assert_eq!(journal.last_seq().unwrap(), Some(120));
+}
+
+#[test]
+fn an_entry_that_does_not_follow_the_last_starts_a_run_of_its_own() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    for seq in [1, 2, 3, 10, 11] {
+        journal.append(seq, &tick(seq)).unwrap();
+    }
+    let seqs: Vec<u64> = journal.entries_after(0).map(|e| e.unwrap().0).collect();
+    assert_eq!(
+        seqs,
+        vec![1, 2, 3, 10, 11],
+        "no entry takes a number it was not given"
+    );
+    let after: Vec<u64> = journal.entries_after(5).map(|e| e.unwrap().0).collect();
+    assert_eq!(after, vec![10, 11]);
+}
+
+#[test]
+fn a_dir_of_single_entries_from_schema_2_is_read_and_stamped_as_runs() {
+    let dir = tempfile::TempDir::new().unwrap();
+    write_schema_version(dir.path(), 2).unwrap();
+    {
+        // What a version-2 build wrote: one entry under each sequence number.
+        let db = sled::Config::new().path(dir.path()).open().unwrap();
+        let entries = db.open_tree("journal").unwrap();
+        for seq in 1..=3u64 {
+            entries
+                .insert(seq.to_be_bytes(), encode(&long_route(seq, 8)))
+                .unwrap();
+        }
+        db.flush().unwrap();
+    }
+    let journal = reopen(dir.path(), Journal::open).unwrap();
+    assert_eq!(journal.last_seq().unwrap(), Some(3));
+    journal.append(4, &long_route(4, 8)).unwrap();
+    let read: Vec<(u64, JournalEntry)> = journal.entries_after(0).collect::<Result<_>>().unwrap();
+    let expected: Vec<(u64, JournalEntry)> = (1..=4).map(|s| (s, long_route(s, 8))).collect();
+    assert!(read == expected, "version-2 entries read as runs of one");
+    let stamped = journal
+        .db
+        .open_tree("meta")
+        .unwrap()
+        .get("schema_version")
+        .unwrap();
+    assert_eq!(
+        stamped.as_deref(),
+        Some(&SCHEMA_VERSION.to_be_bytes()[..]),
+        "once this build writes runs, a version-2 build must refuse the dir"
     );
 }
