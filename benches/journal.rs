@@ -12,6 +12,10 @@
 //!    that keep the index near 1M blocks, load samples, routes). The journal is closed and
 //!    recovered exactly as `kvrouted serve` does: `Journal::open` + `latest_snapshot` +
 //!    `replay` of the entries after it. The recovered index is checked against the original.
+//! 4. **Route entries of 4,096-token prompts**: 100,000 routes of 256 block keys appended through
+//!    `Journal::append` on a fresh data dir while the flusher runs, reported as wall time and as
+//!    the CPU of the whole process per entry (sled's own threads included: they do much of its
+//!    work), next to encoding the same entries alone.
 //!
 //! Run: `cargo bench --bench journal` (release; about a minute on 2 cores). The last line of
 //! output is the same figures as one JSON object.
@@ -25,7 +29,8 @@ use kvrouted::hashing::chain_locals;
 use kvrouted::input::{
     Input, KvEvent, KvEventBatch, LoadSample, Medium, RouteRequest, Stamped, StoredBlock, WorkerId,
 };
-use kvrouted::journal::{Journal, Snapshot};
+use kvrouted::journal::{Journal, JournalEntry, RouteOutcome, Snapshot};
+use kvrouted::policy::DecisionLabel;
 use kvrouted::replay::replay;
 use kvrouted::router::{Router, RouterConfig};
 use kvrouted::writer::{apply_journaled, Clock};
@@ -38,6 +43,9 @@ const CHAIN_BATCHES: usize = 8;
 const SNAPSHOT_BLOCKS: u64 = 1_000_000;
 const TAIL_ENTRIES: u64 = 100_000;
 const ROUTE_BLOCKS: usize = 64;
+/// Route entries of 4,096-token prompts (256 blocks of 16) in phase 4.
+const LONG_ROUTES: u64 = 100_000;
+const LONG_ROUTE_BLOCKS: u64 = 256;
 const FLUSH_EVERY: Duration = Duration::from_millis(10);
 
 /// splitmix64: engine hashes and token hashes look random, as real ones do.
@@ -217,6 +225,77 @@ impl Sizes {
     }
 }
 
+/// CPU time used by this process so far, all threads (user + system), in seconds.
+fn process_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    // Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    let per_second = std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .unwrap_or(100.0);
+    ticks as f64 / per_second
+}
+
+/// The journal entry of a routed 4,096-token prompt: 256 chained block keys.
+fn long_route(rng: &mut Rng, at_ms: u64) -> JournalEntry {
+    JournalEntry {
+        at_ms,
+        input: Input::Route(RouteRequest {
+            model: None,
+            lora: None,
+            keys: chain_locals((0..LONG_ROUTE_BLOCKS).map(|_| rng.next())),
+            prompt_tokens: LONG_ROUTE_BLOCKS * 16,
+            max_output_tokens: Some(512),
+            exclude: Vec::new(),
+            request_id: None,
+            explain: false,
+        }),
+        outcome: Some(RouteOutcome::Routed {
+            worker: worker(3),
+            decision: DecisionLabel::OwnerHold,
+        }),
+    }
+}
+
+/// (wall, CPU of all threads) per entry, in µs, of appending [`LONG_ROUTES`] route entries to a
+/// fresh journal in `dir` while the flusher runs, and the encoding alone per entry.
+fn long_route_appends(dir: &std::path::Path) -> (f64, f64, f64) {
+    let mut rng = Rng(7);
+    let entries: Vec<JournalEntry> = (0..LONG_ROUTES).map(|i| long_route(&mut rng, i)).collect();
+    let started = Instant::now();
+    for entry in &entries {
+        std::hint::black_box(rmp_serde::to_vec(entry).unwrap());
+    }
+    let encode = started.elapsed();
+    let journal = Journal::open(dir).expect("open journal");
+    let flusher = Flusher::start(&journal);
+    let cpu = process_cpu_seconds();
+    let started = Instant::now();
+    for (seq, entry) in (1..).zip(&entries) {
+        journal.append(seq, entry).expect("append");
+    }
+    journal.flush().unwrap();
+    let wall = started.elapsed();
+    flusher.stop();
+    let cpu = process_cpu_seconds() - cpu;
+    let per_entry = |seconds: f64| seconds * 1e6 / LONG_ROUTES as f64;
+    (
+        per_entry(wall.as_secs_f64()),
+        per_entry(cpu),
+        per_entry(encode.as_secs_f64()),
+    )
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
@@ -357,6 +436,8 @@ fn main() {
     };
     let retention_first = retention(&journal);
     let retention_check = retention(&journal);
+    let (route_wall_us, route_cpu_us, route_encode_us) =
+        long_route_appends(&dir.path().join("routes"));
     // Entry sizes: the journal's records are the MessagePack encoding of these entries.
     let mut sizes = Sizes::default();
     for item in journal.entries_after(snapshot_seq) {
@@ -446,6 +527,11 @@ fn main() {
     );
     println!("data dir on disk: {:.1} MiB", mib(disk_total));
     println!(
+        "route entries of {LONG_ROUTE_BLOCKS} keys ({LONG_ROUTES} appended, flush every {FLUSH_EVERY:?}): \
+         {route_wall_us:.1} µs wall, {route_cpu_us:.1} µs CPU of all threads per entry \
+         (encoding alone {route_encode_us:.1} µs)"
+    );
+    println!(
         "{}",
         json!({
             "bench": "journal",
@@ -473,6 +559,9 @@ fn main() {
             "retention_first_check_ms": ms(retention_first).round(),
             "retention_check_ms": (ms(retention_check) * 1000.0).round() / 1000.0,
             "data_dir_bytes": disk_total,
+            "route_256_keys_append_wall_us": (route_wall_us * 10.0).round() / 10.0,
+            "route_256_keys_append_cpu_us": (route_cpu_us * 10.0).round() / 10.0,
+            "route_256_keys_encode_us": (route_encode_us * 10.0).round() / 10.0,
         })
     );
 }
