@@ -35,7 +35,7 @@ use crate::router::{Output, RouterConfig, RouterState};
 ///
 /// Version 2 holds ownership, load and reserved work per (worker, data-parallel rank), with
 /// epochs, store counts and lower tiers: a version-1 snapshot cannot be read as that state.
-/// Version 3 stores journal entries in runs (see [`GROUP_BYTES`]); it reads version 2's single
+/// Version 3 stores journal entries in runs (see [`RUN_BYTES`]); it reads version 2's single
 /// entries as runs of one, so a version-2 dir is opened and stamped 3, after which a version-2
 /// build refuses it (it would read only the first entry of each run).
 pub const SCHEMA_VERSION: u32 = 3;
@@ -50,7 +50,7 @@ pub const OLDEST_READABLE_SCHEMA: u32 = 2;
 /// ran twice as fast (`cargo bench --bench journal`; docs/performance.md, "Round 5, tenth
 /// part"). Leaves of runs this size pass sled's blob threshold, so sled writes them to files of
 /// their own instead of its log; runs of 7 KB, which stay in the log, saved nothing.
-const GROUP_BYTES: usize = 64 << 10;
+const RUN_BYTES: usize = 64 << 10;
 
 /// Snapshots kept; journal retention never drops entries the oldest of them needs.
 const SNAPSHOTS_KEPT: usize = 2;
@@ -189,7 +189,7 @@ pub struct Journal {
     pending: Arc<Pending>,
 }
 
-/// The run of entries appended since the last one went to sled (see [`GROUP_BYTES`]). Every
+/// The run of entries appended since the last one went to sled (see [`RUN_BYTES`]). Every
 /// read and every flush settles it first, so appended entries are visible at once and a flush
 /// makes all of them durable. Its lock is held across the sled insert of a run, so a flush
 /// never finds a run on its way to sled and acks entries that are in neither place.
@@ -417,7 +417,7 @@ impl Journal {
     /// Appends one entry (in memory until the next flush). Returns its encoded size.
     ///
     /// Entries with consecutive sequence numbers join the pending run, which goes to sled once
-    /// it holds [`GROUP_BYTES`]; an entry that does not follow the one before starts a new run.
+    /// it holds [`RUN_BYTES`]; an entry that does not follow the one before starts a new run.
     pub fn append(&self, seq: u64, entry: &JournalEntry) -> Result<usize> {
         let mut run = self.pending.lock();
         if !run.bytes.is_empty() && seq != run.next_seq {
@@ -431,7 +431,7 @@ impl Journal {
         let len = run.bytes.len() - before;
         run.next_seq = seq + 1;
         self.bytes.appended.fetch_add(len as u64, Ordering::Relaxed);
-        if run.bytes.len() >= GROUP_BYTES {
+        if run.bytes.len() >= RUN_BYTES {
             self.pending.store(&mut run)?;
         }
         Ok(len)

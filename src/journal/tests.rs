@@ -477,7 +477,7 @@ fn entries_are_stored_in_runs_and_read_back_one_by_one_from_any_sequence_number(
     let runs = journal.entries.len();
     assert!(
         (2..=10).contains(&runs),
-        "120 entries of 2.3 KB go to sled in a few runs of about {GROUP_BYTES} bytes, not one \
+        "120 entries of 2.3 KB go to sled in a few runs of about {RUN_BYTES} bytes, not one \
          insert each: {runs} keys"
     );
     for after in [0, 1, 27, 28, 29, 64, 119, 120] {
