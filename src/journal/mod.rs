@@ -207,8 +207,8 @@ struct Run {
 
 impl Pending {
     fn lock(&self) -> MutexGuard<'_, Run> {
-        // A panic while encoding left at most a partial entry, which the insert's error then
-        // reports; the lock itself holds nothing else to protect.
+        // Entries are encoded before the lock is taken, so a panic under it (in sled) leaves
+        // whole entries behind.
         self.run
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -419,6 +419,7 @@ impl Journal {
     /// Entries with consecutive sequence numbers join the pending run, which goes to sled once
     /// it holds [`RUN_BYTES`]; an entry that does not follow the one before starts a new run.
     pub fn append(&self, seq: u64, entry: &JournalEntry) -> Result<usize> {
+        let encoded = encode(entry);
         let mut run = self.pending.lock();
         if !run.bytes.is_empty() && seq != run.next_seq {
             self.pending.store(&mut run)?;
@@ -426,10 +427,9 @@ impl Journal {
         if run.bytes.is_empty() {
             run.first_seq = seq;
         }
-        let before = run.bytes.len();
-        rmp_serde::encode::write(&mut run.bytes, entry).expect("journal records always serialize");
-        let len = run.bytes.len() - before;
+        run.bytes.extend_from_slice(&encoded);
         run.next_seq = seq + 1;
+        let len = encoded.len();
         self.bytes.appended.fetch_add(len as u64, Ordering::Relaxed);
         if run.bytes.len() >= RUN_BYTES {
             self.pending.store(&mut run)?;
