@@ -34,6 +34,7 @@ use kvrouted::policy::DecisionLabel;
 use kvrouted::replay::replay;
 use kvrouted::router::{Router, RouterConfig};
 use kvrouted::writer::{apply_journaled, Clock};
+use kvrouted_testkit::{clk_tck, cpu_ticks};
 use serde_json::json;
 
 const WORKERS: usize = 32;
@@ -227,23 +228,8 @@ impl Sizes {
 
 /// CPU time used by this process so far, all threads (user + system), in seconds.
 fn process_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
-    // Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .unwrap()
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    let per_second = std::process::Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse::<f64>().ok())
-        .unwrap_or(100.0);
-    ticks as f64 / per_second
+    let ticks = cpu_ticks(std::process::id()).expect("/proc/self/stat");
+    ticks as f64 / clk_tck()
 }
 
 /// The journal entry of a routed 4,096-token prompt: 256 chained block keys.

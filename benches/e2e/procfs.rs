@@ -8,30 +8,12 @@ pub(crate) struct CpuSample {
     pub(crate) ticks: u64,
 }
 
-pub(crate) fn clk_tck() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
-}
+pub(crate) use kvrouted_testkit::clk_tck;
 
 pub(crate) fn cpu(pid: u32) -> CpuSample {
-    let ticks = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            // Fields after the command name (which may hold spaces): state is field 3, utime
-            // and stime are fields 14 and 15.
-            let rest = s.rsplit_once(')')?.1.to_owned();
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or(0);
     CpuSample {
         at: Instant::now(),
-        ticks,
+        ticks: kvrouted_testkit::cpu_ticks(pid).unwrap_or(0),
     }
 }
 

@@ -6,7 +6,8 @@
 //!
 //! # Layout
 //!
-//! - [`processes`]: free loopback ports, waiting for a port, finding `nats-server`.
+//! - [`processes`]: free loopback ports, waiting for a port, finding `nats-server`, the CPU
+//!   time a process has used.
 //! - [`nats`]: [`Nats`], a nats-server with JetStream and its own storage; [`NatsCluster`], 3
 //!   of them clustered, each killable and restartable.
 //! - [`daemon`]: [`Daemon`], the `kvrouted` binary under test, and its HTTP helpers;
@@ -43,6 +44,6 @@ pub use nats::{Nats, NatsCluster};
 #[cfg(feature = "processes")]
 pub use poll::{eventually, DEADLINE};
 #[cfg(feature = "processes")]
-pub use processes::{free_port, nats_server_bin, wait_for_port, Process};
+pub use processes::{clk_tck, cpu_ticks, free_port, nats_server_bin, wait_for_port, Process};
 #[cfg(feature = "processes")]
 pub use worker::{consumer_settled, gpu_blocks_stored, prompt, OwnerAndOther, Worker};

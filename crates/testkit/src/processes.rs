@@ -1,5 +1,5 @@
 //! Finding ports and the nats-server binary for processes a benchmark or test starts on
-//! loopback.
+//! loopback, and the CPU time a process has used.
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -45,6 +45,27 @@ pub fn nats_server_bin() -> PathBuf {
         }
     }
     panic!("nats-server not found: run scripts/test (it installs the Debian package nats-server) or set NATS_SERVER_BIN");
+}
+
+/// Clock ticks per second, the unit of [`cpu_ticks`].
+pub fn clk_tck() -> f64 {
+    // SAFETY: sysconf reads a system setting and touches no memory of ours.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks > 0 {
+        ticks as f64
+    } else {
+        100.0
+    }
+}
+
+/// CPU time (user and system, all threads) the process `pid` has used, in clock ticks
+/// ([`clk_tck`] per second), from `/proc/<pid>/stat`; `None` when the process is gone.
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces): state is field 3, utime and stime
+    // are fields 14 and 15.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
 }
 
 /// A process a test or benchmark started, its stdout and stderr appended to a log file; killed
