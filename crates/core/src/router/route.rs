@@ -147,18 +147,14 @@ impl Router {
             let touched = scratch.touched();
             views.reserve(touched.len() + 1 - views.len());
             let prefetch = touched.len() >= WIDE_LISTING;
-            views.extend(
-                touched
-                    .iter()
-                    .enumerate()
-                    .filter(|&(i, &slot)| {
-                        if let (true, Some(&next)) = (prefetch, touched.get(i + WORKERS_AHEAD)) {
-                            self.state.workers.prefetch(next);
-                        }
-                        depth(slot) == level && live(slot)
-                    })
-                    .map(|(_, &slot)| view_of(slot)),
-            );
+            for (i, &slot) in touched.iter().enumerate() {
+                if let (true, Some(&ahead)) = (prefetch, touched.get(i + WORKERS_AHEAD)) {
+                    self.state.workers.prefetch(ahead);
+                }
+                if depth(slot) == level && live(slot) {
+                    views.push(view_of(slot));
+                }
+            }
             listed_from = level;
             if attempt == 1 || views[before..].iter().any(|v| v.candidate) {
                 break;
