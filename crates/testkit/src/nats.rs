@@ -3,11 +3,17 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
 use crate::poll::eventually;
-use crate::processes::{free_port, nats_server_bin, wait_for_port};
+use crate::processes::{free_port, nats_server_bin, LISTEN_DEADLINE};
+
+/// Starts on fresh ports before giving up. A port picked free can be taken before the server
+/// binds it (by another test's server, or as the source port of an outgoing connection); the
+/// server then exits at once.
+const START_ATTEMPTS: usize = 5;
 
 /// A nats-server with JetStream on a free port and its own storage dir.
 pub struct Nats {
@@ -20,27 +26,38 @@ pub struct Nats {
 
 impl Nats {
     pub fn start() -> Nats {
-        let mut nats = Nats {
-            child: None,
-            port: free_port(),
-            dir: TempDir::new().unwrap(),
-            config: None,
-        };
-        nats.restart();
-        nats
+        Nats::start_on_a_free_port(|| None)
     }
 
     /// A nats-server with JetStream on a free port and its own storage dir, with this
     /// configuration text added (e.g. an `authorization` or `tls` block).
     pub fn start_with_config(config: &str) -> Nats {
+        Nats::start_on_a_free_port(|| Some(config.to_string()))
+    }
+
+    /// Starts with the configuration `config` gives, on another free port after each start
+    /// that fails ([`START_ATTEMPTS`]).
+    fn start_on_a_free_port(config: impl Fn() -> Option<String>) -> Nats {
+        let mut failures = Vec::new();
+        for _ in 0..START_ATTEMPTS {
+            match Nats::try_start(config()) {
+                Ok(nats) => return nats,
+                Err(why) => failures.push(why),
+            }
+        }
+        panic!("nats-server did not start in {START_ATTEMPTS} attempts: {failures:#?}");
+    }
+
+    /// One start on a free port, or why the server exited.
+    fn try_start(config: Option<String>) -> Result<Nats, String> {
         let mut nats = Nats {
             child: None,
             port: free_port(),
             dir: TempDir::new().unwrap(),
-            config: Some(config.to_string()),
+            config,
         };
-        nats.restart();
-        nats
+        nats.spawn()?;
+        Ok(nats)
     }
 
     /// A scratch dir that lives as long as the server (for its certificates and keys).
@@ -54,8 +71,17 @@ impl Nats {
 
     /// Starts (again) on the same port with the same storage.
     pub fn restart(&mut self) {
+        if let Err(why) = self.spawn() {
+            panic!("nats-server did not start again: {why}");
+        }
+    }
+
+    /// Starts the server and waits until it says it is ready; `Err` with its log when it exits
+    /// first (its port taken). Panics when it neither gets ready nor exits within the deadline.
+    fn spawn(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "nats-server already running");
-        let log = std::fs::File::create(self.dir.path().join("nats.log")).unwrap();
+        let log_path = self.dir.path().join("nats.log");
+        let log = std::fs::File::create(&log_path).unwrap();
         let mut cmd = Command::new(nats_server_bin());
         cmd.args([
             "-a",
@@ -71,13 +97,34 @@ impl Nats {
             std::fs::write(&path, config).unwrap();
             cmd.arg("-c").arg(path);
         }
-        let child = cmd
+        let mut child = cmd
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("start nats-server");
-        self.child = Some(child);
-        wait_for_port(self.port, "nats-server");
+        let started = Instant::now();
+        loop {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            if let Some(status) = child.try_wait().unwrap() {
+                return Err(format!(
+                    "nats-server on port {} exited ({status}) before it was ready: {log}",
+                    self.port
+                ));
+            }
+            if log.contains("Server is ready") {
+                self.child = Some(child);
+                return Ok(());
+            }
+            if started.elapsed() > LISTEN_DEADLINE {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "nats-server on port {} was not ready within {LISTEN_DEADLINE:?}: {log}",
+                    self.port
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Deletes the stopped server's JetStream storage: the next [`Nats::restart`] comes back
@@ -116,8 +163,31 @@ impl NatsCluster {
     /// Starts the 3 servers and waits until JetStream answers on every one of them (the meta
     /// group has a leader, so streams can be created).
     pub async fn start() -> NatsCluster {
+        let mut failures = Vec::new();
+        let servers = loop {
+            // The cluster ports are in every server's configuration, so a server that fails to
+            // start (a port taken) starts the whole cluster again on fresh ports.
+            match NatsCluster::try_start_servers() {
+                Ok(servers) => break servers,
+                Err(why) if failures.len() + 1 < START_ATTEMPTS => failures.push(why),
+                Err(why) => {
+                    failures.push(why);
+                    panic!("the nats-server cluster did not start in {START_ATTEMPTS} attempts: {failures:#?}");
+                }
+            }
+        };
+        let cluster = NatsCluster { servers };
+        for i in 0..CLUSTER_SIZE {
+            cluster.wait_jetstream(i).await;
+        }
+        cluster
+    }
+
+    /// One start of the 3 servers on fresh client and cluster ports; the servers started so far
+    /// are killed (dropped) when one fails.
+    fn try_start_servers() -> Result<Vec<Nats>, String> {
         let cluster_ports: Vec<u16> = (0..CLUSTER_SIZE).map(|_| free_port()).collect();
-        let servers = (0..CLUSTER_SIZE)
+        (0..CLUSTER_SIZE)
             .map(|i| {
                 let routes: Vec<String> = cluster_ports
                     .iter()
@@ -125,19 +195,14 @@ impl NatsCluster {
                     .filter(|&(j, _)| j != i)
                     .map(|(_, port)| format!("nats-route://127.0.0.1:{port}"))
                     .collect();
-                Nats::start_with_config(&format!(
+                Nats::try_start(Some(format!(
                     "server_name: n{i}\n\
                      cluster {{\n  name: kvrouted-test\n  listen: 127.0.0.1:{}\n  routes: [{}]\n}}\n",
                     cluster_ports[i],
                     routes.join(", ")
-                ))
+                )))
             })
-            .collect();
-        let cluster = NatsCluster { servers };
-        for i in 0..CLUSTER_SIZE {
-            cluster.wait_jetstream(i).await;
-        }
-        cluster
+            .collect()
     }
 
     /// Waits until server `i` can place a stream with 3 replicas (after a start or a restart,
@@ -186,5 +251,28 @@ impl NatsCluster {
     /// Starts server `i` again on its ports and storage; it rejoins the cluster.
     pub fn restart(&mut self, i: usize) {
         self.servers[i].restart();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_whose_port_is_taken_is_reported_as_exited_not_waited_for() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut nats = Nats {
+            child: None,
+            port: taken.local_addr().unwrap().port(),
+            dir: TempDir::new().unwrap(),
+            config: None,
+        };
+        let why = nats
+            .spawn()
+            .expect_err("a server cannot listen on a port another socket holds");
+        assert!(
+            why.contains("exited") && why.contains("address already in use"),
+            "the failure says the server exited and shows its log: {why}"
+        );
     }
 }

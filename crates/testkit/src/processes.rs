@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// How long a started process may take to listen.
-const LISTEN_DEADLINE: Duration = Duration::from_secs(20);
+pub(crate) const LISTEN_DEADLINE: Duration = Duration::from_secs(20);
 
 /// A free TCP port on loopback (bound and released; the OS does not hand it out again at once).
 pub fn free_port() -> u16 {
