@@ -17,6 +17,16 @@
 //!    the CPU of the whole process per entry (sled's own threads included: they do much of its
 //!    work), next to encoding the same entries alone.
 //!
+//! 5. **Resident memory as the journal grows**: in a fresh process, 400,000 such route entries
+//!    (about 1.2 GB of journal, more than the default retention of 1 GiB) appended to a fresh
+//!    data dir with the flusher running, and the process's resident memory after each 100,000.
+//!    Twice: each entry stored as it is appended (routes slower than the flushes, so each flush
+//!    finds one or a few), and entries stored in full runs. A journal that only grows on disk
+//!    leaves the memory level.
+//!
+//! The bench allocates with the daemon's allocator (mimalloc), so its memory and sled's
+//! allocation costs are the daemon's.
+//!
 //! Run: `cargo bench --bench journal` (release; about a minute on 2 cores). The last line of
 //! output is the same figures as one JSON object.
 
@@ -48,6 +58,13 @@ const ROUTE_BLOCKS: usize = 64;
 const LONG_ROUTES: u64 = 100_000;
 const LONG_ROUTE_BLOCKS: u64 = 256;
 const FLUSH_EVERY: Duration = Duration::from_millis(10);
+/// Route entries appended in phase 5, and how often the resident memory is read.
+const GROWTH_ROUTES: u64 = 400_000;
+const GROWTH_STEP: u64 = 100_000;
+
+/// The daemon's allocator: sled's memory and allocation costs depend on it.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// splitmix64: engine hashes and token hashes look random, as real ones do.
 struct Rng(u64);
@@ -282,12 +299,109 @@ fn long_route_appends(dir: &std::path::Path) -> (f64, f64, f64) {
     )
 }
 
+/// Resident memory of this process, in bytes.
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse().ok())
+        .expect("VmRSS in /proc/self/status");
+    kib * 1024
+}
+
+/// How the route entries of phase 5 reach sled.
+#[derive(Clone, Copy)]
+enum Runs {
+    /// Each entry is stored as it is appended (a read after every append settles it): a
+    /// moderate route rate, where each 10 ms flush finds one entry or a few.
+    OfOne,
+    /// Entries gather into full runs: routes faster than the flushes.
+    Full,
+}
+
+impl Runs {
+    const ENV: &'static str = "KVROUTED_JOURNAL_BENCH_GROWTH";
+
+    fn name(self) -> &'static str {
+        match self {
+            Runs::OfOne => "runs_of_one",
+            Runs::Full => "full_runs",
+        }
+    }
+}
+
+/// Phase 5 for one kind of run, in a process of its own started from this bench's binary, so
+/// that neither the earlier phases nor the other kind of run leave memory behind in it: the
+/// resident memory (MiB) before and after each [`GROWTH_STEP`], and the journal's size on disk.
+fn resident_memory_as_the_journal_grows(runs: Runs) -> (Vec<f64>, f64) {
+    let output = std::process::Command::new(std::env::current_exe().expect("this bench's path"))
+        .env(Runs::ENV, runs.name())
+        .output()
+        .expect("start the bench's phase 5");
+    assert!(
+        output.status.success(),
+        "phase 5 ({}) failed: {}",
+        runs.name(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let figures: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("phase 5 prints one JSON object");
+    let resident = figures["resident_mib"]
+        .as_array()
+        .expect("resident_mib")
+        .iter()
+        .map(|m| m.as_f64().expect("MiB"))
+        .collect();
+    (
+        resident,
+        figures["journal_mib"].as_f64().expect("journal_mib"),
+    )
+}
+
+/// The child's side of phase 5: appends [`GROWTH_ROUTES`] route entries to a fresh journal
+/// while the flusher runs, and prints its resident memory before and after each
+/// [`GROWTH_STEP`]. The entries cycle over 1,000 distinct ones, so the bench's own memory stays
+/// the same.
+fn grow_the_journal(runs: Runs) {
+    let dir = tempfile::TempDir::new().expect("temp dir");
+    let mut rng = Rng(11);
+    let entries: Vec<JournalEntry> = (0..1_000).map(|i| long_route(&mut rng, i)).collect();
+    let journal = Journal::open(dir.path()).expect("open journal");
+    let flusher = Flusher::start(&journal);
+    let mut resident = vec![mib(resident_bytes()).round()];
+    for seq in 1..=GROWTH_ROUTES {
+        let entry = &entries[(seq % entries.len() as u64) as usize];
+        journal.append(seq, entry).expect("append");
+        if let Runs::OfOne = runs {
+            journal.first_seq().expect("read the journal");
+        }
+        if seq % GROWTH_STEP == 0 {
+            resident.push(mib(resident_bytes()).round());
+        }
+    }
+    journal.flush().unwrap();
+    flusher.stop();
+    let journal_mib = mib(journal.size_on_disk().unwrap()).round();
+    println!(
+        "{}",
+        json!({ "resident_mib": resident, "journal_mib": journal_mib })
+    );
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; nothing here takes arguments.
+    // `cargo bench` passes `--bench`; nothing here takes arguments. Phase 5 runs in children
+    // of this process, which the environment tells apart.
+    match std::env::var(Runs::ENV).as_deref() {
+        Ok("runs_of_one") => return grow_the_journal(Runs::OfOne),
+        Ok("full_runs") => return grow_the_journal(Runs::Full),
+        _ => {}
+    }
     let dir = tempfile::TempDir::new().expect("temp dir");
     let data = dir.path().join("data");
     let config = RouterConfig::default();
@@ -424,6 +538,10 @@ fn main() {
     let retention_check = retention(&journal);
     let (route_wall_us, route_cpu_us, route_encode_us) =
         long_route_appends(&dir.path().join("routes"));
+    let growth: Vec<(Runs, (Vec<f64>, f64))> = [Runs::OfOne, Runs::Full]
+        .into_iter()
+        .map(|runs| (runs, resident_memory_as_the_journal_grows(runs)))
+        .collect();
     // Entry sizes: the journal's records are the MessagePack encoding of these entries.
     let mut sizes = Sizes::default();
     for item in journal.entries_after(snapshot_seq) {
@@ -518,6 +636,21 @@ fn main() {
          (encoding alone {route_encode_us:.1} µs)"
     );
     println!(
+        "resident memory of a process appending {GROWTH_ROUTES} such route entries to a fresh \
+         journal (before, then every {GROWTH_STEP}):"
+    );
+    for (runs, (resident, journal_mib)) in &growth {
+        let steps: Vec<String> = resident.iter().map(|m| format!("{m:.0}")).collect();
+        let runs = match runs {
+            Runs::OfOne => "each entry stored as appended",
+            Runs::Full => "entries stored in full runs  ",
+        };
+        println!(
+            "  {runs}: {} MiB ({journal_mib:.0} MiB of journal)",
+            steps.join(" → ")
+        );
+    }
+    println!(
         "{}",
         json!({
             "bench": "journal",
@@ -548,6 +681,10 @@ fn main() {
             "route_256_keys_append_wall_us": (route_wall_us * 10.0).round() / 10.0,
             "route_256_keys_append_cpu_us": (route_cpu_us * 10.0).round() / 10.0,
             "route_256_keys_encode_us": (route_encode_us * 10.0).round() / 10.0,
+            "growth_resident_mib": growth
+                .iter()
+                .map(|(runs, (resident, _))| (runs.name(), resident.clone()))
+                .collect::<std::collections::BTreeMap<_, _>>(),
         })
     );
 }

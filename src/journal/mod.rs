@@ -49,16 +49,26 @@ pub const OLDEST_READABLE_SCHEMA: u32 = 2;
 /// counting sled's own threads, where runs of 64 KiB cost 6–16 µs per entry, and journaled ingest
 /// ran twice as fast (`cargo bench --bench journal`; docs/performance.md, "Round 5, tenth
 /// part"). Leaves of runs this size pass sled's blob threshold, so sled writes them to files of
-/// their own instead of its log; runs of 7 KB, which stay in the log, saved nothing.
+/// their own instead of its log; runs of 7 KB, which stay in the log, saved nothing. The price
+/// is memory while inputs fill runs faster than flushes store them (a flood of routes or of KV
+/// events): a process appending full runs of route entries held 375–670 MiB, where runs of
+/// 32 KiB held 230–400 MiB at 17% more CPU per entry (docs/performance.md, "Round 5, eleventh
+/// part").
 const RUN_BYTES: usize = 64 << 10;
 
 /// Snapshots kept; journal retention never drops entries the oldest of them needs.
 const SNAPSHOTS_KEPT: usize = 2;
 
-/// sled's page cache. Its default (1 GiB) let the resident memory grow with the journal for the
-/// whole retention window; the journal is appended and read back only at recovery or replay, so
-/// a small cache costs nothing on the route path.
-const CACHE_BYTES: u64 = 128 << 20;
+/// sled's page cache: small, because sled does not hold a larger one to its size. It splits the
+/// cache into 256 shards, each of which evicts only once the pages it has counted pass its share,
+/// and it counts a page by its bytes in the log: a leaf written to a file of its own (a leaf of
+/// journal runs, up to 1 MiB) counts as the pointer to it. With 128 MiB the resident memory grew
+/// with the journal (`cargo bench --bench journal`, phase 5, route entries stored one by one:
+/// from 219–264 MiB after 100,000 entries to 318–435 MiB after 400,000, and 1.2 GiB after 1.2 M
+/// in a longer run); with 4 MiB it stays at 122–142 MiB. The daemon reads sled only to recover
+/// at start, for retention's cut of the oldest runs, and for `replay` and `journal export`, so
+/// no route or ingest waits on it.
+const CACHE_BYTES: u64 = 4 << 20;
 
 /// One journaled input and, for routes, the decision it produced (for `replay --verify`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
