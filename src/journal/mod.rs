@@ -51,8 +51,8 @@ pub const OLDEST_READABLE_SCHEMA: u32 = 2;
 /// part"). Leaves of runs this size pass sled's blob threshold, so sled writes them to files of
 /// their own instead of its log; runs of 7 KB, which stay in the log, saved nothing. The price
 /// is memory while inputs fill runs faster than flushes store them (a flood of routes or of KV
-/// events): a process appending full runs of route entries held 375–670 MiB, where runs of
-/// 32 KiB held 230–400 MiB at 17% more CPU per entry (docs/performance.md, "Round 5, eleventh
+/// events): a process appending 400,000 route entries in full runs held 386–647 MiB, where runs
+/// of 32 KiB held 273–376 MiB at 17% more CPU per entry (docs/performance.md, "Round 5, eleventh
 /// part").
 const RUN_BYTES: usize = 64 << 10;
 
