@@ -106,13 +106,9 @@ fn daemon_pid(daemon: &Daemon) -> u32 {
 }
 
 fn rss_mb(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap();
-    kb / 1024.0
+    kvrouted_testkit::resident_mib(pid)
+        .expect("the daemon's /proc/<pid>/status")
+        .0
 }
 
 /// Byte sizes of the snapshots the daemon logged so far.

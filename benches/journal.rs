@@ -44,7 +44,7 @@ use kvrouted::policy::DecisionLabel;
 use kvrouted::replay::replay;
 use kvrouted::router::{Router, RouterConfig};
 use kvrouted::writer::{apply_journaled, Clock};
-use kvrouted_testkit::{clk_tck, cpu_ticks};
+use kvrouted_testkit::{clk_tck, cpu_ticks, resident_mib};
 use serde_json::json;
 
 const WORKERS: usize = 32;
@@ -299,18 +299,6 @@ fn long_route_appends(dir: &std::path::Path) -> (f64, f64, f64) {
     )
 }
 
-/// Resident memory of this process, in bytes.
-fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kib| kib.parse().ok())
-        .expect("VmRSS in /proc/self/status");
-    kib * 1024
-}
-
 /// How the route entries of phase 5 reach sled.
 #[derive(Clone, Copy)]
 enum Runs {
@@ -370,7 +358,13 @@ fn grow_the_journal(runs: Runs) {
     let entries: Vec<JournalEntry> = (0..1_000).map(|i| long_route(&mut rng, i)).collect();
     let journal = Journal::open(dir.path()).expect("open journal");
     let flusher = Flusher::start(&journal);
-    let mut resident = vec![mib(resident_bytes()).round()];
+    let resident_now = || {
+        resident_mib(std::process::id())
+            .expect("/proc/self/status")
+            .0
+            .round()
+    };
+    let mut resident = vec![resident_now()];
     for seq in 1..=GROWTH_ROUTES {
         let entry = &entries[(seq % entries.len() as u64) as usize];
         journal.append(seq, entry).expect("append");
@@ -378,7 +372,7 @@ fn grow_the_journal(runs: Runs) {
             journal.first_seq().expect("read the journal");
         }
         if seq % GROWTH_STEP == 0 {
-            resident.push(mib(resident_bytes()).round());
+            resident.push(resident_now());
         }
     }
     journal.flush().unwrap();

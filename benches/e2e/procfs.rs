@@ -22,18 +22,9 @@ pub(crate) fn cores(a: CpuSample, b: CpuSample, tck: f64) -> f64 {
     (b.ticks.saturating_sub(a.ticks)) as f64 / tck / (b.at - a.at).as_secs_f64()
 }
 
-/// (VmRSS, VmHWM) in MiB.
+/// (VmRSS, VmHWM) in MiB; zero once the process is gone.
 pub(crate) fn rss_mib(pid: u32) -> (f64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-            / 1024.0
-    };
-    (field("VmRSS:"), field("VmHWM:"))
+    kvrouted_testkit::resident_mib(pid).unwrap_or((0.0, 0.0))
 }
 
 pub(crate) struct Pids {

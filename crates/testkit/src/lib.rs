@@ -44,6 +44,8 @@ pub use nats::{Nats, NatsCluster};
 #[cfg(feature = "processes")]
 pub use poll::{eventually, DEADLINE};
 #[cfg(feature = "processes")]
-pub use processes::{clk_tck, cpu_ticks, free_port, nats_server_bin, wait_for_port, Process};
+pub use processes::{
+    clk_tck, cpu_ticks, free_port, nats_server_bin, resident_mib, wait_for_port, Process,
+};
 #[cfg(feature = "processes")]
 pub use worker::{consumer_settled, gpu_blocks_stored, prompt, OwnerAndOther, Worker};

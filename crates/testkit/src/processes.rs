@@ -68,6 +68,23 @@ pub fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
 }
 
+/// The resident memory of the process `pid` and its peak so far (`VmRSS` and `VmHWM` in
+/// `/proc/<pid>/status`), in MiB; `None` when the process is gone.
+pub fn resident_mib(pid: u32) -> Option<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let mib = |name: &str| {
+        let kib: f64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        Some(kib / 1024.0)
+    };
+    Some((mib("VmRSS:")?, mib("VmHWM:")?))
+}
+
 /// A process a test or benchmark started, its stdout and stderr appended to a log file; killed
 /// (SIGKILL) on drop, so that a failing test leaves nothing running.
 pub struct Process {
@@ -138,5 +155,31 @@ impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_memory_is_read_in_mib_and_a_gone_process_has_none() {
+        let held = vec![1u8; 64 << 20];
+        let (resident, peak) = resident_mib(std::process::id()).expect("this process's status");
+        assert!(
+            resident >= 64.0 && peak >= resident,
+            "64 MiB written are resident ({resident} MiB), and the peak is at least that ({peak} MiB)"
+        );
+        std::hint::black_box(&held);
+        let mut gone = std::process::Command::new("true")
+            .spawn()
+            .expect("start true");
+        let pid = gone.id();
+        gone.wait().expect("true exits");
+        assert_eq!(
+            resident_mib(pid),
+            None,
+            "a reaped process has no memory to read"
+        );
     }
 }
