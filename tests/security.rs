@@ -377,15 +377,23 @@ async fn beyond_the_connection_cap_probes_still_answer_and_other_requests_get_50
             (status, r.json::<Value>().await.unwrap_or(Value::Null))
         }
     };
-    // Idle sockets until a request is shed: one more per try, since a connection the helpers
-    // just closed may still hold its slot for a moment on a loaded machine.
+    // One more idle socket after each request served, until a request is shed. A connection
+    // the client just closed can hold its slot for a moment on a loaded machine: a request shed
+    // with fewer idle sockets than the cap met one, and is tried again with no new socket until
+    // the slot is free; an idle socket that met one waits in the reserve past the cap, and the
+    // next request is served, so the cap can take one more idle socket to reach.
     let idle = std::sync::Mutex::new(Vec::new());
     let (status, body) = eventually("the cap is reached", || async {
-        idle.lock()
-            .unwrap()
-            .push(TcpStream::connect(daemon.http).unwrap());
         let (status, body) = get("/v1/workers").await;
-        (status == 503).then_some((status, body))
+        let mut idle = idle.lock().unwrap();
+        match status {
+            200 => {
+                idle.push(TcpStream::connect(daemon.http).unwrap());
+                None
+            }
+            503 if idle.len() >= 3 => Some((status, body)),
+            _ => None,
+        }
     })
     .await;
     let idle = idle.into_inner().unwrap();
