@@ -310,6 +310,8 @@ enum Runs {
 }
 
 impl Runs {
+    const ALL: [Runs; 2] = [Runs::OfOne, Runs::Full];
+    /// Names the kind of run a child process of phase 5 runs.
     const ENV: &'static str = "KVROUTED_JOURNAL_BENCH_GROWTH";
 
     fn name(self) -> &'static str {
@@ -318,12 +320,32 @@ impl Runs {
             Runs::Full => "full_runs",
         }
     }
+
+    fn label(self) -> &'static str {
+        match self {
+            Runs::OfOne => "each entry stored as appended",
+            Runs::Full => "entries stored in full runs  ",
+        }
+    }
+
+    /// The kind of run this process is the phase 5 child for, if it is one.
+    fn of_this_child() -> Option<Runs> {
+        let name = std::env::var(Runs::ENV).ok()?;
+        Runs::ALL.into_iter().find(|runs| runs.name() == name)
+    }
+}
+
+/// What a phase 5 child reports: its resident memory (MiB) before and after each
+/// [`GROWTH_STEP`], and the journal's size on disk.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Growth {
+    resident_mib: Vec<f64>,
+    journal_mib: f64,
 }
 
 /// Phase 5 for one kind of run, in a process of its own started from this bench's binary, so
-/// that neither the earlier phases nor the other kind of run leave memory behind in it: the
-/// resident memory (MiB) before and after each [`GROWTH_STEP`], and the journal's size on disk.
-fn resident_memory_as_the_journal_grows(runs: Runs) -> (Vec<f64>, f64) {
+/// that neither the earlier phases nor the other kind of run leave memory behind in it.
+fn resident_memory_as_the_journal_grows(runs: Runs) -> Growth {
     let output = std::process::Command::new(std::env::current_exe().expect("this bench's path"))
         .env(Runs::ENV, runs.name())
         .output()
@@ -334,18 +356,7 @@ fn resident_memory_as_the_journal_grows(runs: Runs) -> (Vec<f64>, f64) {
         runs.name(),
         String::from_utf8_lossy(&output.stderr)
     );
-    let figures: serde_json::Value =
-        serde_json::from_slice(&output.stdout).expect("phase 5 prints one JSON object");
-    let resident = figures["resident_mib"]
-        .as_array()
-        .expect("resident_mib")
-        .iter()
-        .map(|m| m.as_f64().expect("MiB"))
-        .collect();
-    (
-        resident,
-        figures["journal_mib"].as_f64().expect("journal_mib"),
-    )
+    serde_json::from_slice(&output.stdout).expect("phase 5 prints its figures as JSON")
 }
 
 /// The child's side of phase 5: appends [`GROWTH_ROUTES`] route entries to a fresh journal
@@ -377,11 +388,11 @@ fn grow_the_journal(runs: Runs) {
     }
     journal.flush().unwrap();
     flusher.stop();
-    let journal_mib = mib(journal.size_on_disk().unwrap()).round();
-    println!(
-        "{}",
-        json!({ "resident_mib": resident, "journal_mib": journal_mib })
-    );
+    let growth = Growth {
+        resident_mib: resident,
+        journal_mib: mib(journal.size_on_disk().unwrap()).round(),
+    };
+    println!("{}", serde_json::to_string(&growth).unwrap());
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -391,10 +402,8 @@ fn mib(bytes: u64) -> f64 {
 fn main() {
     // `cargo bench` passes `--bench`; nothing here takes arguments. Phase 5 runs in children
     // of this process, which the environment tells apart.
-    match std::env::var(Runs::ENV).as_deref() {
-        Ok("runs_of_one") => return grow_the_journal(Runs::OfOne),
-        Ok("full_runs") => return grow_the_journal(Runs::Full),
-        _ => {}
+    if let Some(runs) = Runs::of_this_child() {
+        return grow_the_journal(runs);
     }
     let dir = tempfile::TempDir::new().expect("temp dir");
     let data = dir.path().join("data");
@@ -532,7 +541,7 @@ fn main() {
     let retention_check = retention(&journal);
     let (route_wall_us, route_cpu_us, route_encode_us) =
         long_route_appends(&dir.path().join("routes"));
-    let growth: Vec<(Runs, (Vec<f64>, f64))> = [Runs::OfOne, Runs::Full]
+    let growth: Vec<(Runs, Growth)> = Runs::ALL
         .into_iter()
         .map(|runs| (runs, resident_memory_as_the_journal_grows(runs)))
         .collect();
@@ -633,15 +642,17 @@ fn main() {
         "resident memory of a process appending {GROWTH_ROUTES} such route entries to a fresh \
          journal (before, then every {GROWTH_STEP}):"
     );
-    for (runs, (resident, journal_mib)) in &growth {
-        let steps: Vec<String> = resident.iter().map(|m| format!("{m:.0}")).collect();
-        let runs = match runs {
-            Runs::OfOne => "each entry stored as appended",
-            Runs::Full => "entries stored in full runs  ",
-        };
+    for (runs, growth) in &growth {
+        let steps: Vec<String> = growth
+            .resident_mib
+            .iter()
+            .map(|m| format!("{m:.0}"))
+            .collect();
         println!(
-            "  {runs}: {} MiB ({journal_mib:.0} MiB of journal)",
-            steps.join(" → ")
+            "  {}: {} MiB ({:.0} MiB of journal)",
+            runs.label(),
+            steps.join(" → "),
+            growth.journal_mib
         );
     }
     println!(
@@ -677,7 +688,7 @@ fn main() {
             "route_256_keys_encode_us": (route_encode_us * 10.0).round() / 10.0,
             "growth_resident_mib": growth
                 .iter()
-                .map(|(runs, (resident, _))| (runs.name(), resident.clone()))
+                .map(|(runs, growth)| (runs.name(), &growth.resident_mib))
                 .collect::<std::collections::BTreeMap<_, _>>(),
         })
     );

@@ -15,6 +15,19 @@ use crate::processes::{free_port, nats_server_bin, LISTEN_DEADLINE};
 /// server then exits at once.
 const START_ATTEMPTS: usize = 5;
 
+/// What `try_start` starts, tried again on fresh ports (each try picks its own) after each
+/// start that fails, up to [`START_ATTEMPTS`]; panics with every failure, naming `what`.
+fn on_fresh_ports<T>(what: &str, mut try_start: impl FnMut() -> Result<T, String>) -> T {
+    let mut failures = Vec::new();
+    for _ in 0..START_ATTEMPTS {
+        match try_start() {
+            Ok(started) => return started,
+            Err(why) => failures.push(why),
+        }
+    }
+    panic!("{what} did not start in {START_ATTEMPTS} attempts: {failures:#?}");
+}
+
 /// A nats-server with JetStream on a free port and its own storage dir.
 pub struct Nats {
     child: Option<Child>,
@@ -26,26 +39,13 @@ pub struct Nats {
 
 impl Nats {
     pub fn start() -> Nats {
-        Nats::start_on_a_free_port(|| None)
+        on_fresh_ports("nats-server", || Nats::try_start(None))
     }
 
     /// A nats-server with JetStream on a free port and its own storage dir, with this
     /// configuration text added (e.g. an `authorization` or `tls` block).
     pub fn start_with_config(config: &str) -> Nats {
-        Nats::start_on_a_free_port(|| Some(config.to_string()))
-    }
-
-    /// Starts with the configuration `config` gives, on another free port after each start
-    /// that fails ([`START_ATTEMPTS`]).
-    fn start_on_a_free_port(config: impl Fn() -> Option<String>) -> Nats {
-        let mut failures = Vec::new();
-        for _ in 0..START_ATTEMPTS {
-            match Nats::try_start(config()) {
-                Ok(nats) => return nats,
-                Err(why) => failures.push(why),
-            }
-        }
-        panic!("nats-server did not start in {START_ATTEMPTS} attempts: {failures:#?}");
+        on_fresh_ports("nats-server", || Nats::try_start(Some(config.to_string())))
     }
 
     /// One start on a free port, or why the server exited.
@@ -163,19 +163,9 @@ impl NatsCluster {
     /// Starts the 3 servers and waits until JetStream answers on every one of them (the meta
     /// group has a leader, so streams can be created).
     pub async fn start() -> NatsCluster {
-        let mut failures = Vec::new();
-        let servers = loop {
-            // The cluster ports are in every server's configuration, so a server that fails to
-            // start (a port taken) starts the whole cluster again on fresh ports.
-            match NatsCluster::try_start_servers() {
-                Ok(servers) => break servers,
-                Err(why) if failures.len() + 1 < START_ATTEMPTS => failures.push(why),
-                Err(why) => {
-                    failures.push(why);
-                    panic!("the nats-server cluster did not start in {START_ATTEMPTS} attempts: {failures:#?}");
-                }
-            }
-        };
+        // The cluster ports are in every server's configuration, so a server that fails to
+        // start (a port taken) starts the whole cluster again on fresh ports.
+        let servers = on_fresh_ports("the nats-server cluster", NatsCluster::try_start_servers);
         let cluster = NatsCluster { servers };
         for i in 0..CLUSTER_SIZE {
             cluster.wait_jetstream(i).await;
