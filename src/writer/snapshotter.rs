@@ -198,6 +198,14 @@ mod tests {
         for _ in 0..10 {
             writer.submit(Input::Tick, "test", None).await.unwrap();
         }
+        // A shutdown is taken before queued ingest (it comes on the gateway's lane), so wait
+        // until the ticks are applied and journaled.
+        let kept_seq = taken.as_ref().expect("a snapshot taken mid-stream").seq;
+        kvrouted_testkit::eventually("the inputs after the kept snapshot are journaled", || {
+            let last = journal.last_seq().unwrap().unwrap_or(0);
+            async move { (last > kept_seq).then_some(()) }
+        })
+        .await;
         writer.shutdown().await;
         thread.join().unwrap();
         let snapshot = taken.unwrap();
