@@ -176,7 +176,9 @@ impl OwnerIndex {
         let Some(maps) = self.workers.get_mut(slot as usize) else {
             return Vec::new();
         };
-        let mut dropped = Vec::new();
+        // Room for every hash at once: grown block by block, it was reallocated several times
+        // per batch (8% of a removal's time in the peer bench at 16 workers).
+        let mut dropped = Vec::with_capacity(engine_hashes.len());
         for (i, hash) in engine_hashes.iter().enumerate() {
             // As in `store`: the engine maps' entries are asked for a few hashes ahead.
             for &next in ahead(engine_hashes, i) {
