@@ -126,14 +126,11 @@ fn a_data_dir_from_a_future_schema_version_is_refused_never_opened_empty() {
     kvrouted::journal::write_schema_version(&dir, u32::MAX).unwrap();
     // sled lets go of its lock on the dir shortly after the handle is dropped: wait for that,
     // so what follows sees the schema, not this process's lock.
-    let started = std::time::Instant::now();
-    while kvrouted(["replay".as_ref(), "--data-dir".as_ref(), dir.as_os_str()])
-        .3
-        .contains("in use by another kvrouted process")
-    {
-        assert!(started.elapsed() < DEADLINE, "sled keeps the dir locked");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let unlocked = poll_until(DEADLINE, || {
+        let (.., stderr) = kvrouted(["replay".as_ref(), "--data-dir".as_ref(), dir.as_os_str()]);
+        (!stderr.contains("in use by another kvrouted process")).then_some(())
+    });
+    assert!(unlocked.is_some(), "sled keeps the dir locked");
     for args in [
         serve_args(&dir, "nats://127.0.0.1:1"),
         vec!["replay".into(), "--data-dir".into(), dir.clone().into()],

@@ -37,17 +37,12 @@ fn ticks(dir: &Path, n: u64) -> Journal {
 /// Opens `dir` again in this process. sled lets go of its lock shortly after the previous
 /// handle is dropped (its I/O threads finish first), so a reopen polls until it can.
 fn reopen(dir: &Path, open: fn(&Path) -> Result<Journal>) -> Result<Journal> {
-    let started = std::time::Instant::now();
-    loop {
-        match open(dir) {
-            Err(JournalError::Locked { .. })
-                if started.elapsed() < std::time::Duration::from_secs(10) =>
-            {
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            other => return other,
-        }
-    }
+    let opened =
+        kvrouted_testkit::poll_until(std::time::Duration::from_secs(10), || match open(dir) {
+            Err(JournalError::Locked { .. }) => None,
+            other => Some(other),
+        });
+    opened.unwrap_or_else(|| open(dir))
 }
 
 fn scanned_bytes(journal: &Journal) -> u64 {

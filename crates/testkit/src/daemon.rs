@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tempfile::TempDir;
 
-use crate::poll::{eventually, DEADLINE};
+use crate::poll::{eventually, poll_until, DEADLINE};
 use crate::processes::{free_port, Process};
 use crate::worker::Worker;
 
@@ -45,22 +45,16 @@ pub fn run_to_exit(mut cmd: Command) -> (ExitStatus, String, String) {
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .expect("start command");
-    let start = Instant::now();
     let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return (status, read(&out), read(&err));
-        }
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "{cmd:?} still running after {DEADLINE:?}; stderr:\n{}",
-                read(&err)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let Some(status) = poll_until(DEADLINE, || child.try_wait().unwrap()) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "{cmd:?} still running after {DEADLINE:?}; stderr:\n{}",
+            read(&err)
+        );
+    };
+    (status, read(&out), read(&err))
 }
 
 /// Makes every write of `cmd`'s process past `bytes` into a file fail with `EFBIG` (a full disk,

@@ -3,11 +3,10 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use crate::poll::eventually;
+use crate::poll::{eventually, poll_until};
 use crate::processes::{free_port, nats_server_bin, LISTEN_DEADLINE};
 
 /// Starts on fresh ports before giving up. A port picked free can be taken before the server
@@ -102,28 +101,30 @@ impl Nats {
             .stderr(log)
             .spawn()
             .expect("start nats-server");
-        let started = Instant::now();
-        loop {
-            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            if let Some(status) = child.try_wait().unwrap() {
-                return Err(format!(
-                    "nats-server on port {} exited ({status}) before it was ready: {log}",
-                    self.port
-                ));
-            }
-            if log.contains("Server is ready") {
+        let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        let port = self.port;
+        // Some(Err) when it exits first (its port taken), Some(Ok) once it is ready.
+        let outcome = poll_until(LISTEN_DEADLINE, || match child.try_wait().unwrap() {
+            Some(status) => Some(Err(format!(
+                "nats-server on port {port} exited ({status}) before it was ready: {}",
+                read_log()
+            ))),
+            None => read_log().contains("Server is ready").then_some(Ok(())),
+        });
+        match outcome {
+            Some(Ok(())) => {
                 self.child = Some(child);
-                return Ok(());
+                Ok(())
             }
-            if started.elapsed() > LISTEN_DEADLINE {
+            Some(Err(exited)) => Err(exited),
+            None => {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!(
-                    "nats-server on port {} was not ready within {LISTEN_DEADLINE:?}: {log}",
-                    self.port
+                    "nats-server on port {port} was not ready within {LISTEN_DEADLINE:?}: {}",
+                    read_log()
                 );
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

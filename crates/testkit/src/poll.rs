@@ -4,6 +4,9 @@ use std::time::{Duration, Instant};
 
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
+/// How often a wait checks again.
+const POLL_EVERY: Duration = Duration::from_millis(20);
+
 /// Polls `check` until it returns `Some`, or panics with `what` after [`DEADLINE`].
 pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
 where
@@ -19,6 +22,49 @@ where
             start.elapsed() < DEADLINE,
             "timed out after {DEADLINE:?} waiting for: {what}"
         );
-        tokio::time::sleep(Duration::from_millis(25)).await;
+        tokio::time::sleep(POLL_EVERY).await;
+    }
+}
+
+/// Polls `check` until it returns `Some`, or gives `None` once `deadline` has passed: the
+/// blocking twin of [`eventually`], for code outside a runtime (starting, stopping and waiting
+/// for processes), where each caller says what running out of time means.
+pub fn poll_until<T>(deadline: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check() {
+            return Some(v);
+        }
+        if start.elapsed() >= deadline {
+            return None;
+        }
+        std::thread::sleep(POLL_EVERY);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_blocking_poll_returns_the_first_answer_or_none_at_its_deadline() {
+        let mut calls = 0;
+        let third = poll_until(DEADLINE, || {
+            calls += 1;
+            (calls == 3).then_some(calls)
+        });
+        assert_eq!(
+            third,
+            Some(3),
+            "the poll returns the first Some, checking again until then"
+        );
+
+        let start = Instant::now();
+        let never = poll_until(Duration::from_millis(100), || None::<()>);
+        assert_eq!(never, None, "a check that never answers gives None");
+        assert!(
+            start.elapsed() >= Duration::from_millis(100),
+            "None comes only once the deadline has passed"
+        );
     }
 }

@@ -3,7 +3,9 @@
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::poll::poll_until;
 
 /// How long a started process may take to listen.
 pub(crate) const LISTEN_DEADLINE: Duration = Duration::from_secs(20);
@@ -19,14 +21,10 @@ pub fn free_port() -> u16 {
 
 /// Polls until something listens on `port`, or panics naming `what`.
 pub fn wait_for_port(port: u16, what: &str) {
-    let start = Instant::now();
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            start.elapsed() < LISTEN_DEADLINE,
-            "{what} did not listen on port {port}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let listening = poll_until(LISTEN_DEADLINE, || {
+        TcpStream::connect(("127.0.0.1", port)).ok()
+    });
+    assert!(listening.is_some(), "{what} did not listen on port {port}");
 }
 
 /// `$NATS_SERVER_BIN`, else `nats-server` on the PATH, in /usr/sbin or /usr/bin.
@@ -140,14 +138,7 @@ impl Process {
     /// running, left to the drop's SIGKILL).
     pub fn terminate_within(&mut self, deadline: Duration) -> Option<std::process::ExitStatus> {
         self.signal("TERM");
-        let start = Instant::now();
-        while start.elapsed() < deadline {
-            if let Some(status) = self.exited() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
+        poll_until(deadline, || self.exited())
     }
 }
 
