@@ -28,7 +28,7 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use kvrouted_testkit::engine::{EngineOptions, TestEngine};
-use kvrouted_testkit::{free_port, metric_at, nats_server_bin, wait_for_port, Process};
+use kvrouted_testkit::{free_port, metric_at, wait_for_port, Nats, Process};
 use tempfile::TempDir;
 
 const BLOCKS_PER_BATCH: usize = 32;
@@ -44,15 +44,13 @@ fn spawn(cmd: Command, log: &Path) -> Process {
     p
 }
 
-/// A nats-server with JetStream storage in `dir`, and its URL.
-fn start_nats(dir: &Path) -> (Process, String) {
-    let port = free_port();
-    let mut cmd = Command::new(nats_server_bin());
-    cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-        .arg(dir.join("js"));
-    let p = spawn(cmd, &dir.join("nats.log"));
-    wait_for_port(port, "nats-server");
-    (p, format!("nats://127.0.0.1:{port}"))
+/// The test kit's nats-server (JetStream on a free port with its own storage), registered for
+/// the watchdog's SIGKILL, and its URL.
+fn start_nats() -> (Nats, String) {
+    let nats = Nats::start();
+    CHILDREN.lock().unwrap().push(nats.pid().expect("started"));
+    let url = nats.url();
+    (nats, url)
 }
 
 fn arg(name: &str, default: u64) -> u64 {
@@ -157,7 +155,7 @@ async fn main() {
     // 1a. ZMQ -> bridge -> JetStream.
     {
         let dir = TempDir::new().unwrap();
-        let (_nats, url) = start_nats(dir.path());
+        let (_nats, url) = start_nats();
         let js = jetstream::new(async_nats::connect(&url).await.unwrap());
         let mut engine = TestEngine::start(EngineOptions::vllm()).await;
         let (_bridge, http) = start_bridge(dir.path(), &url, &engine, "wb");
@@ -200,8 +198,7 @@ async fn main() {
 
     // 1b. Direct JetStream publisher, same payloads, same ack window.
     {
-        let dir = TempDir::new().unwrap();
-        let (_nats, url) = start_nats(dir.path());
+        let (_nats, url) = start_nats();
         let js = jetstream::new(async_nats::connect(&url).await.unwrap());
         js.get_or_create_stream(kvrouted::ingest::stream_config("KVROUTED", "kv"))
             .await
@@ -238,7 +235,7 @@ async fn main() {
     // 2. Latency to the daemon's apply.
     {
         let dir = TempDir::new().unwrap();
-        let (_nats, url) = start_nats(dir.path());
+        let (_nats, url) = start_nats();
         let daemon_http = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
         cmd.args([

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvrouted::sim::percentile;
-use kvrouted_testkit::{free_port, nats_server_bin, wait_for_port};
+use kvrouted_testkit::{free_port, Nats};
 
 /// Kills the process on drop.
 struct Proc(Child);
@@ -81,24 +81,7 @@ fn main() {
     let seconds: u64 = std::env::var("FLOOD_SECONDS").map_or(45, |v| v.parse().unwrap());
     let dir = tempfile::tempdir().unwrap();
 
-    let nats_port = free_port();
-    let _nats = Proc(
-        Command::new(nats_server_bin())
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &nats_port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(dir.path().join("js"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nats-server"),
-    );
-    wait_for_port(nats_port, "nats-server");
+    let nats = Nats::start();
 
     let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let bin = std::env::var_os("FLOOD_DAEMON_BIN")
@@ -109,7 +92,7 @@ fn main() {
             .args(["-c", "ulimit -n 1024 && exec \"$0\" \"$@\""])
             .arg(&bin)
             .arg("serve")
-            .args(["--nats-url", &format!("nats://127.0.0.1:{nats_port}")])
+            .args(["--nats-url", &nats.url()])
             .args(["--http-addr", &http.to_string()])
             .arg("--data-dir")
             .arg(dir.path().join("data"))

@@ -58,7 +58,7 @@ use kvrouted::wire::{encode_load, encode_vllm_batch, VllmEvent};
 use serde::Deserialize;
 use tempfile::TempDir;
 
-use kvrouted_testkit::{free_port, nats_server_bin, wait_for_port};
+use kvrouted_testkit::{free_port, wait_for_port, Nats};
 
 const BLOCK: usize = 16;
 const BATCH_BLOCKS: usize = 32;

@@ -56,14 +56,31 @@ pub(crate) fn start_watchdog(limit: Duration) {
     });
 }
 
-pub(crate) fn start_nats(dir: &Path) -> (Proc, String) {
-    let port = free_port();
-    let mut cmd = Command::new(nats_server_bin());
-    cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-        .arg(dir.join("js"));
-    let proc = Proc::spawn("nats-server", cmd, dir.join("nats.log"));
-    wait_for_port(port, "nats-server");
-    (proc, format!("nats://127.0.0.1:{port}"))
+/// The test kit's nats-server (JetStream on a free port with its own storage), which the
+/// watchdog kills too.
+pub(crate) struct WatchedNats(Nats);
+
+impl WatchedNats {
+    pub(crate) fn start() -> WatchedNats {
+        let nats = Nats::start();
+        CHILDREN.lock().unwrap().push(nats.pid().expect("started"));
+        WatchedNats(nats)
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.0.pid().expect("running")
+    }
+
+    pub(crate) fn url(&self) -> String {
+        self.0.url()
+    }
+}
+
+impl Drop for WatchedNats {
+    fn drop(&mut self) {
+        let pid = self.pid();
+        CHILDREN.lock().unwrap().retain(|&p| p != pid);
+    }
 }
 
 pub(crate) async fn start_daemon(dir: &Path, nats_url: &str, mode: Mode) -> (Proc, SocketAddr) {

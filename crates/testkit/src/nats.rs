@@ -68,6 +68,12 @@ impl Nats {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// The server's process id (a benchmark reads its CPU time, and a watchdog kills it); None
+    /// while it is stopped.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Starts (again) on the same port with the same storage.
     pub fn restart(&mut self) {
         if let Err(why) = self.spawn() {
