@@ -21,36 +21,34 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use bytes::Bytes;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use kvrouted_testkit::engine::{EngineOptions, TestEngine};
-use kvrouted_testkit::{free_port, metric_at, wait_for_port, Nats, Process};
+use kvrouted_testkit::{
+    free_port, metric_at, start_watchdog, wait_for_port, Nats, Process, Watched,
+};
 use tempfile::TempDir;
 
 const BLOCKS_PER_BATCH: usize = 32;
 const BLOCK: usize = 16;
 const ACK_WINDOW: usize = 1024;
 
-static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
-
-/// Starts `cmd` (killed on drop) and registers it for the watchdog's SIGKILL.
-fn spawn(cmd: Command, log: &Path) -> Process {
+/// Starts `cmd` (killed on drop, and by the watchdog).
+fn spawn(cmd: Command, log: &Path) -> Watched<Process> {
     let p = Process::spawn(cmd, log);
-    CHILDREN.lock().unwrap().push(p.id());
-    p
+    let pid = p.id();
+    Watched::new(p, pid)
 }
 
-/// The test kit's nats-server (JetStream on a free port with its own storage), registered for
-/// the watchdog's SIGKILL, and its URL.
-fn start_nats() -> (Nats, String) {
+/// The test kit's nats-server (JetStream on a free port with its own storage), which the
+/// watchdog kills too, and its URL.
+fn start_nats() -> (Watched<Nats>, String) {
     let nats = Nats::start();
-    CHILDREN.lock().unwrap().push(nats.pid().expect("started"));
-    let url = nats.url();
-    (nats, url)
+    let (pid, url) = (nats.pid().expect("started"), nats.url());
+    (Watched::new(nats, pid), url)
 }
 
 fn arg(name: &str, default: u64) -> u64 {
@@ -88,7 +86,7 @@ fn start_bridge(
     nats_url: &str,
     engine: &TestEngine,
     worker: &str,
-) -> (Process, SocketAddr) {
+) -> (Watched<Process>, SocketAddr) {
     let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouted"));
     cmd.args(["bridge", "--zmq", &engine.zmq_endpoint()])
@@ -134,15 +132,10 @@ async fn blocks_of(client: &reqwest::Client, http: SocketAddr, worker: &str) -> 
 async fn main() {
     let n = arg("--batches", 60_000);
     let probes = arg("--probes", 300) as usize;
-    let limit = Duration::from_secs(arg("--max-seconds", 300));
-    std::thread::spawn(move || {
-        std::thread::sleep(limit);
-        eprintln!("bridge bench: still running after {limit:?}; killing and exiting");
-        for pid in CHILDREN.lock().unwrap().iter() {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        }
-        std::process::exit(2);
-    });
+    start_watchdog(
+        "bridge bench",
+        Duration::from_secs(arg("--max-seconds", 300)),
+    );
     let client = reqwest::Client::new();
 
     println!("bridge bench: {n} batches x {BLOCKS_PER_BATCH} blocks per throughput run, {probes} latency probes per path");

@@ -324,7 +324,7 @@ impl Runs {
     fn label(self) -> &'static str {
         match self {
             Runs::OfOne => "each entry stored as appended",
-            Runs::Full => "entries stored in full runs  ",
+            Runs::Full => "entries stored in full runs",
         }
     }
 
@@ -649,7 +649,7 @@ fn main() {
             .map(|m| format!("{m:.0}"))
             .collect();
         println!(
-            "  {}: {} MiB ({:.0} MiB of journal)",
+            "  {:<29}: {} MiB ({:.0} MiB of journal)",
             runs.label(),
             steps.join(" → "),
             growth.journal_mib

@@ -58,7 +58,7 @@ use kvrouted::wire::{encode_load, encode_vllm_batch, VllmEvent};
 use serde::Deserialize;
 use tempfile::TempDir;
 
-use kvrouted_testkit::{free_port, wait_for_port, Nats};
+use kvrouted_testkit::{free_port, start_watchdog, wait_for_port, Nats, Watched};
 
 const BLOCK: usize = 16;
 const BATCH_BLOCKS: usize = 32;
@@ -92,7 +92,7 @@ use workload::*;
 
 fn main() {
     let o = options();
-    start_watchdog(Duration::from_secs(o.max_seconds));
+    start_watchdog("e2e", Duration::from_secs(o.max_seconds));
     let started = Instant::now();
     let tck = clk_tck();
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -2,10 +2,8 @@
 
 use super::*;
 
-pub(crate) static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
-
 pub(crate) struct Proc {
-    pub(crate) child: Child,
+    pub(crate) child: Watched<Child>,
     pub(crate) name: &'static str,
     pub(crate) log: PathBuf,
 }
@@ -18,8 +16,12 @@ impl Proc {
             .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        CHILDREN.lock().unwrap().push(child.id());
-        Proc { child, name, log }
+        let pid = child.id();
+        Proc {
+            child: Watched::new(child, pid),
+            name,
+            log,
+        }
     }
 
     pub(crate) fn pid(&self) -> u32 {
@@ -41,46 +43,15 @@ impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        CHILDREN.lock().unwrap().retain(|&p| p != self.child.id());
     }
-}
-
-pub(crate) fn start_watchdog(limit: Duration) {
-    std::thread::spawn(move || {
-        std::thread::sleep(limit);
-        eprintln!("e2e: still running after {limit:?}; killing what it started and exiting");
-        for pid in CHILDREN.lock().unwrap().iter() {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        }
-        std::process::exit(2);
-    });
 }
 
 /// The test kit's nats-server (JetStream on a free port with its own storage), which the
 /// watchdog kills too.
-pub(crate) struct WatchedNats(Nats);
-
-impl WatchedNats {
-    pub(crate) fn start() -> WatchedNats {
-        let nats = Nats::start();
-        CHILDREN.lock().unwrap().push(nats.pid().expect("started"));
-        WatchedNats(nats)
-    }
-
-    pub(crate) fn pid(&self) -> u32 {
-        self.0.pid().expect("running")
-    }
-
-    pub(crate) fn url(&self) -> String {
-        self.0.url()
-    }
-}
-
-impl Drop for WatchedNats {
-    fn drop(&mut self) {
-        let pid = self.pid();
-        CHILDREN.lock().unwrap().retain(|&p| p != pid);
-    }
+pub(crate) fn start_nats() -> Watched<Nats> {
+    let nats = Nats::start();
+    let pid = nats.pid().expect("started");
+    Watched::new(nats, pid)
 }
 
 pub(crate) async fn start_daemon(dir: &Path, nats_url: &str, mode: Mode) -> (Proc, SocketAddr) {

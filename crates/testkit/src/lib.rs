@@ -7,14 +7,16 @@
 //! # Layout
 //!
 //! - [`processes`]: free loopback ports, waiting for a port, finding `nats-server`, the CPU
-//!   time a process has used.
+//!   time and memory a process has used.
 //! - [`nats`]: [`Nats`], a nats-server with JetStream and its own storage; [`NatsCluster`], 3
 //!   of them clustered, each killable and restartable.
 //! - [`daemon`]: [`Daemon`], the `kvrouted` binary under test, and its HTTP helpers;
 //!   [`run_to_exit`] for commands that must exit; [`replay_verify`], the audit of a journal.
 //! - [`worker`]: [`Worker`], a simulated vLLM worker publishing on NATS; [`prompt`];
 //!   [`OwnerAndOther`], the two-worker fleet most daemon tests start from.
-//! - [`poll`]: [`eventually`] and the [`DEADLINE`] every wait shares.
+//! - [`poll`]: [`eventually`], its blocking twin [`poll_until`], and the [`DEADLINE`] every
+//!   wait shares.
+//! - [`watchdog`]: a benchmark's time limit, which kills every [`Watched`] process and exits.
 //! - [`engine`]: [`engine::TestEngine`], a ZeroMQ publisher that frames, numbers, buffers and
 //!   replays KV events exactly as vLLM's and SGLang's `ZmqEventPublisher` do (feature `engine`).
 //! - [`counting_alloc`]: a global allocator that counts live heap bytes, for memory figures.
@@ -32,6 +34,8 @@ pub mod poll;
 #[cfg(feature = "processes")]
 pub mod processes;
 #[cfg(feature = "processes")]
+pub mod watchdog;
+#[cfg(feature = "processes")]
 pub mod worker;
 
 #[cfg(feature = "processes")]
@@ -47,5 +51,7 @@ pub use poll::{eventually, poll_until, DEADLINE};
 pub use processes::{
     clk_tck, cpu_ticks, free_port, nats_server_bin, resident_mib, wait_for_port, Process,
 };
+#[cfg(feature = "processes")]
+pub use watchdog::{start_watchdog, Watched};
 #[cfg(feature = "processes")]
 pub use worker::{consumer_settled, gpu_blocks_stored, prompt, OwnerAndOther, Worker};
