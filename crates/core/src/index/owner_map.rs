@@ -52,6 +52,11 @@ impl OwnerMap {
         self.inline.prefetch(key);
     }
 
+    /// As [`prefetch`](Self::prefetch), for a removal ([`KeyTable::prefetch_run`]).
+    pub fn prefetch_run(&self, key: u64) {
+        self.inline.prefetch_run(key);
+    }
+
     /// Adds one owner entry.
     pub fn add(&mut self, key: u64, slot: Slot) {
         debug_assert!(slot <= MAX_SLOT);

@@ -163,9 +163,9 @@ impl OwnerIndex {
         maps.iter().find(|(n, _)| *n == ns).map(|(_, map)| map)
     }
 
-    fn prefetch(&self, ns: NsId, key: u64) {
+    fn prefetch_run(&self, ns: NsId, key: u64) {
         if let Some(blocks) = self.blocks.get(ns as usize) {
-            blocks.prefetch(key);
+            blocks.prefetch_run(key);
         }
     }
 
@@ -183,7 +183,7 @@ impl OwnerIndex {
             // As in `store`: the engine maps' entries are asked for a few hashes ahead.
             for &next in ahead(engine_hashes, i) {
                 for (_, map) in maps.iter() {
-                    map.keys.prefetch(next);
+                    map.keys.prefetch_run(next);
                 }
             }
             for (ns, map) in maps.iter_mut() {
@@ -203,7 +203,7 @@ impl OwnerIndex {
         // As in `store`: the owner table's entries are asked for a few blocks ahead.
         for (i, &(ns, key)) in dropped.iter().enumerate() {
             for &(ns, next) in ahead(&dropped, i) {
-                self.prefetch(ns, next);
+                self.prefetch_run(ns, next);
             }
             self.remove_owner(ns, key, slot);
         }
