@@ -157,11 +157,7 @@ impl KeyTable {
     /// Asks the CPU to start loading `key`'s tag and bucket: what an insert reads and writes.
     #[inline]
     pub(super) fn prefetch(&self, key: u64) {
-        if !self.tags.is_empty() {
-            let i = self.home(key);
-            prefetch(&self.tags[i]);
-            prefetch(&self.buckets[i]);
-        }
+        self.prefetch_lines(key, 1);
     }
 
     /// As [`prefetch`](Self::prefetch), and also the cache line of buckets after the home
@@ -172,11 +168,18 @@ impl KeyTable {
     /// there too, stored batches were no faster on that benchmark.)
     #[inline]
     pub(super) fn prefetch_run(&self, key: u64) {
+        self.prefetch_lines(key, 2);
+    }
+
+    /// Asks for `key`'s tag and `lines` cache lines of buckets from its home bucket on.
+    #[inline]
+    fn prefetch_lines(&self, key: u64, lines: usize) {
         if !self.tags.is_empty() {
             let i = self.home(key);
             prefetch(&self.tags[i]);
-            prefetch(&self.buckets[i]);
-            prefetch(&self.buckets[(i + BUCKETS_PER_LINE) & self.mask()]);
+            for line in 0..lines {
+                prefetch(&self.buckets[(i + line * BUCKETS_PER_LINE) & self.mask()]);
+            }
         }
     }
 
