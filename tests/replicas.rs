@@ -7,6 +7,7 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use common::*;
 use kvrouted::wire::encode_vllm_batch;
@@ -53,10 +54,15 @@ async fn reserved_work_agrees(replicas: &[&Daemon]) -> BTreeMap<String, u64> {
 
 /// Polls until every replica shows `expected` reserved work per worker. Each figure that differs
 /// is printed once, so a timeout shows where the replicas stood.
-async fn reserved_work_reaches(replicas: &[&Daemon], expected: &BTreeMap<String, u64>) {
+async fn reserved_work_reaches(
+    replicas: &[&Daemon],
+    expected: &BTreeMap<String, u64>,
+    deadline: Duration,
+) {
     let last_seen = std::sync::Mutex::new(Vec::new());
     let last_seen = &last_seen;
-    eventually(
+    eventually_within(
+        deadline,
         "every replica shows the expected reserved work",
         || async move {
             let mut seen = Vec::with_capacity(replicas.len());
@@ -228,6 +234,12 @@ impl BurstPublisher {
     }
 }
 
+/// How long a wait may take that spans a lost server: the cluster elects new leaders for the
+/// streams and consumers the server led (each election takes seconds, and on a loaded 2-core
+/// machine it can take more than one round), and a replica's consumer retries with a backoff
+/// of up to 5 s. Measured: 0.2–15 s with two busy loops beside the test, once over 20 s.
+const FAILOVER: Duration = Duration::from_secs(60);
+
 /// Batches of the burst, and blocks per batch.
 const BURST: u32 = 120;
 const BURST_BLOCKS: usize = 2;
@@ -271,14 +283,19 @@ async fn losing_a_server_mid_burst_and_a_replica_loses_nothing_and_the_restarted
     }
     let burst_blocks = u64::from(BURST) * BURST_BLOCKS as u64;
     for replica in [&a, &b, &c] {
-        replica.wait_blocks("w", burst_blocks).await;
+        eventually_within(
+            FAILOVER,
+            &format!("w owns {burst_blocks} blocks after a server was lost"),
+            || async { (replica.blocks().await.get("w") == Some(&burst_blocks)).then_some(()) },
+        )
+        .await;
     }
     cluster.restart(0);
     // Equal figures are not enough here: a replica that lacks one peer decision can match
     // replicas that lack another while the decisions made during the outage arrive.
     let before = burst_routes * burst_route_work;
     let agreed_before = BTreeMap::from([("w".to_string(), before)]);
-    reserved_work_reaches(&[&a, &b, &c], &agreed_before).await;
+    reserved_work_reaches(&[&a, &b, &c], &agreed_before, FAILOVER).await;
 
     // Replica c goes away; the others keep answering and keep deciding.
     c.kill9();
@@ -301,7 +318,7 @@ async fn losing_a_server_mid_burst_and_a_replica_loses_nothing_and_the_restarted
     // Both routes reserved the same work; equal figures on a and b alone could be each one's
     // own decision without the other's.
     let agreed = BTreeMap::from([("w".to_string(), before + 2 * own_work)]);
-    reserved_work_reaches(&[&a, &b], &agreed).await;
+    reserved_work_reaches(&[&a, &b], &agreed, DEADLINE).await;
 
     // Back: ready only once it has caught up with both streams, so it agrees at once.
     c.restart().await;

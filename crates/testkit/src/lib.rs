@@ -46,7 +46,7 @@ pub use daemon::{
 #[cfg(feature = "processes")]
 pub use nats::{Nats, NatsCluster};
 #[cfg(feature = "processes")]
-pub use poll::{eventually, poll_until, DEADLINE};
+pub use poll::{eventually, eventually_within, poll_until, DEADLINE};
 #[cfg(feature = "processes")]
 pub use processes::{
     clk_tck, cpu_ticks, free_port, nats_server_bin, resident_mib, wait_for_port, Process,

@@ -8,7 +8,17 @@ pub const DEADLINE: Duration = Duration::from_secs(20);
 const POLL_EVERY: Duration = Duration::from_millis(20);
 
 /// Polls `check` until it returns `Some`, or panics with `what` after [`DEADLINE`].
-pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    eventually_within(DEADLINE, what, check).await
+}
+
+/// [`eventually`] with a deadline of its own, for a wait that the test knows to be longer than
+/// usual (one that spans a broker's failover, say); the caller's constant says why.
+pub async fn eventually_within<T, F, Fut>(deadline: Duration, what: &str, mut check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -19,8 +29,8 @@ where
             return v;
         }
         assert!(
-            start.elapsed() < DEADLINE,
-            "timed out after {DEADLINE:?} waiting for: {what}"
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for: {what}"
         );
         tokio::time::sleep(POLL_EVERY).await;
     }
