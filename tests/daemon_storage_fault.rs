@@ -35,6 +35,8 @@ async fn a_journal_that_cannot_be_written_stops_routing_and_ends_the_daemon_with
     );
     daemon.file_size_limit = Some(FILE_SIZE_LIMIT);
     daemon.restart().await;
+    // The join is published on the daemon's JetStream stream, which exists once it is ready.
+    daemon.wait_ready().await;
     let worker = Worker::connect(&nats.url(), "worker-1").await;
     worker.lifecycle(LifecycleOp::Join).await;
     daemon.wait_state("worker-1", "active").await;
