@@ -15,7 +15,7 @@
 //! - [`worker`]: [`Worker`], a simulated vLLM worker publishing on NATS; [`prompt`];
 //!   [`OwnerAndOther`], the two-worker fleet most daemon tests start from.
 //! - [`poll`]: [`eventually`], its blocking twin [`poll_until`], and the [`DEADLINE`] every
-//!   wait shares.
+//!   wait shares unless it says why not ([`eventually_within`]).
 //! - [`watchdog`]: a benchmark's time limit, which kills every [`Watched`] process and exits.
 //! - [`engine`]: [`engine::TestEngine`], a ZeroMQ publisher that frames, numbers, buffers and
 //!   replays KV events exactly as vLLM's and SGLang's `ZmqEventPublisher` do (feature `engine`).
