@@ -38,17 +38,15 @@ const ACK_WINDOW: usize = 1024;
 
 /// Starts `cmd` (killed on drop, and by the watchdog).
 fn spawn(cmd: Command, log: &Path) -> Watched<Process> {
-    let p = Process::spawn(cmd, log);
-    let pid = p.id();
-    Watched::new(p, pid)
+    Watched::new(Process::spawn(cmd, log))
 }
 
 /// The test kit's nats-server (JetStream on a free port with its own storage), which the
 /// watchdog kills too, and its URL.
 fn start_nats() -> (Watched<Nats>, String) {
-    let nats = Nats::start();
-    let (pid, url) = (nats.pid().expect("started"), nats.url());
-    (Watched::new(nats, pid), url)
+    let nats = Watched::new(Nats::start());
+    let url = nats.url();
+    (nats, url)
 }
 
 fn arg(name: &str, default: u64) -> u64 {

@@ -24,7 +24,8 @@ pub(crate) async fn run_mode(
     let (payloads, mixed, four_k) = (w.payloads.clone(), w.mixed.clone(), w.four_k.clone());
     let four_k_keys = w.four_k_keys.clone();
     let dir = TempDir::new().unwrap();
-    let nats = start_nats();
+    // The test kit's nats-server, which the watchdog kills too.
+    let nats = Watched::new(Nats::start());
     let nats_url = nats.url();
     let me = std::process::id();
     report.line(format!(

@@ -16,9 +16,8 @@ impl Proc {
             .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        let pid = child.id();
         Proc {
-            child: Watched::new(child, pid),
+            child: Watched::new(child),
             name,
             log,
         }
@@ -44,14 +43,6 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// The test kit's nats-server (JetStream on a free port with its own storage), which the
-/// watchdog kills too.
-pub(crate) fn start_nats() -> Watched<Nats> {
-    let nats = Nats::start();
-    let pid = nats.pid().expect("started");
-    Watched::new(nats, pid)
 }
 
 pub(crate) async fn start_daemon(dir: &Path, nats_url: &str, mode: Mode) -> (Proc, SocketAddr) {

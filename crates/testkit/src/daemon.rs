@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tempfile::TempDir;
 
-use crate::poll::{eventually, poll_until, DEADLINE};
+use crate::poll::{eventually, eventually_within, poll_until, DEADLINE};
 use crate::processes::{free_port, Process};
 use crate::worker::Worker;
 
@@ -471,7 +471,14 @@ impl Daemon {
 
     /// Polls `/v1/workers` until worker `id` owns `blocks` blocks by KV events.
     pub async fn wait_blocks(&self, id: &str, blocks: u64) {
-        eventually(&format!("{id} owns {blocks} blocks"), || async {
+        self.wait_blocks_within(id, blocks, DEADLINE).await
+    }
+
+    /// [`wait_blocks`](Self::wait_blocks) with a deadline of the caller's (see
+    /// [`eventually_within`]).
+    pub async fn wait_blocks_within(&self, id: &str, blocks: u64, deadline: Duration) {
+        let what = format!("{id} owns {blocks} blocks on the daemon at {}", self.http);
+        eventually_within(deadline, &what, || async {
             (self.worker(id).await?["blocks"].as_u64()? == blocks).then_some(())
         })
         .await

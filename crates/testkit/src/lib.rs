@@ -52,6 +52,6 @@ pub use processes::{
     clk_tck, cpu_ticks, free_port, nats_server_bin, resident_mib, wait_for_port, Process,
 };
 #[cfg(feature = "processes")]
-pub use watchdog::{start_watchdog, Watched};
+pub use watchdog::{start_watchdog, ProcessHandle, Watched};
 #[cfg(feature = "processes")]
 pub use worker::{consumer_settled, gpu_blocks_stored, prompt, OwnerAndOther, Worker};

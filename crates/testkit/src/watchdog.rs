@@ -24,6 +24,29 @@ pub fn start_watchdog(bench: &'static str, limit: Duration) {
     });
 }
 
+/// A handle of one running process, whose id the watchdog kills.
+pub trait ProcessHandle {
+    fn process_id(&self) -> u32;
+}
+
+impl ProcessHandle for crate::Process {
+    fn process_id(&self) -> u32 {
+        self.id()
+    }
+}
+
+impl ProcessHandle for crate::Nats {
+    fn process_id(&self) -> u32 {
+        self.pid().expect("a started nats-server")
+    }
+}
+
+impl ProcessHandle for std::process::Child {
+    fn process_id(&self) -> u32 {
+        self.id()
+    }
+}
+
 /// A process handle (a [`crate::Process`], a [`crate::Nats`], a `Child`) whose process the
 /// watchdog kills while the handle lives; used as the handle itself.
 pub struct Watched<T> {
@@ -31,13 +54,16 @@ pub struct Watched<T> {
     pid: u32,
 }
 
-impl<T> Watched<T> {
-    /// Watches the process `pid` that `handle` runs.
-    pub fn new(handle: T, pid: u32) -> Watched<T> {
+impl<T: ProcessHandle> Watched<T> {
+    /// Watches the process that `handle` runs.
+    pub fn new(handle: T) -> Watched<T> {
+        let pid = handle.process_id();
         WATCHED.lock().unwrap().push(pid);
         Watched { handle, pid }
     }
+}
 
+impl<T> Watched<T> {
     pub fn pid(&self) -> u32 {
         self.pid
     }
@@ -69,11 +95,22 @@ impl<T> Drop for Watched<T> {
 mod tests {
     use super::*;
 
+    /// A handle that names a process id without running one.
+    #[derive(Debug, PartialEq)]
+    struct Named(u32);
+
+    impl ProcessHandle for Named {
+        fn process_id(&self) -> u32 {
+            self.0
+        }
+    }
+
     #[test]
     fn a_process_is_watched_while_its_handle_lives() {
-        let handle = Watched::new("a handle", 4_000_001);
+        let handle = Watched::new(Named(4_000_001));
         assert_eq!(
-            *handle, "a handle",
+            *handle,
+            Named(4_000_001),
             "the watched handle is used as the handle itself"
         );
         assert!(
