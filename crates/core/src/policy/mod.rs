@@ -19,7 +19,6 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::index::Slot;
-use crate::input::WorkerId;
 
 /// Which policy decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -219,11 +218,14 @@ impl PolicyConfig {
 
 /// What the policy knows about one known worker for one request.
 #[derive(Debug, Clone)]
-pub struct WorkerView<'a> {
+pub struct WorkerView {
     /// One candidate is one worker rank: a worker with several data-parallel ranks has a view
     /// per rank, each with its own ownership, load and reserved work.
     pub slot: Slot,
-    pub id: &'a WorkerId,
+    /// The worker's place in id order: ties between workers break by id, and these numbers
+    /// compare as the ids do (the ranks of one worker share it). A number, not the id, so a
+    /// view borrows nothing and a route keeps its views' buffer from one route to the next.
+    pub id_order: u32,
     pub dp_rank: u32,
     /// A candidate: not draining, not excluded, serving the request's model.
     pub candidate: bool,
@@ -246,7 +248,7 @@ pub struct WorkerView<'a> {
     pub prefill_backlog_tokens: u64,
 }
 
-impl WorkerView<'_> {
+impl WorkerView {
     /// Its deepest lower-tier (host or disk) match.
     pub fn lower_tier_depth(&self) -> u32 {
         self.host_depth.max(self.disk_depth)
@@ -275,13 +277,13 @@ pub struct RouteView<'a> {
     /// the threshold when no candidate does), every worker with a lower-tier (host, disk)
     /// match, and the provisional owner of the longest match's prefix. A worker left out
     /// matters to the policy only as a member of a [`Pool`].
-    pub workers: &'a [WorkerView<'a>],
+    pub workers: &'a [WorkerView],
     /// The provisional owner recorded for a prefix key, if any.
     pub provisional: &'a dyn Fn(u64) -> Option<ProvisionalOwner>,
     /// The whole fleet's pools, when `workers` does not list every worker: the router keeps
     /// them current as workers change, so a decision costs the matched owners and the sampled
     /// candidates, not the size of the fleet.
-    pub fleet: Option<&'a dyn Fleet<'a>>,
+    pub fleet: Option<&'a dyn Fleet>,
 }
 
 /// A set of candidates a policy draws from, in slot order.
@@ -310,14 +312,14 @@ impl Pool {
 /// The fleet behind a [`RouteView`] that lists only the workers that matched. Members are
 /// counted and drawn in slot order, exactly as a scan of every worker would list them, so a
 /// draw picks the same worker either way.
-pub trait Fleet<'a> {
+pub trait Fleet {
     /// Members of `pool` other than the slots in `minus` (ascending; slots that are not
     /// members are ignored).
     fn count(&self, pool: Pool, minus: &[Slot]) -> usize;
     /// The `k`-th (from 0) member of `pool` other than the slots in `minus`, in slot order.
     fn nth(&self, pool: Pool, k: usize, minus: &[Slot]) -> Slot;
     /// What the policy knows about one worker rank, as it would appear in `workers`.
-    fn view(&self, slot: Slot) -> WorkerView<'a>;
+    fn view(&self, slot: Slot) -> WorkerView;
 }
 
 /// Who a power-of-two draw picks from: listed workers (positions in [`RouteView::workers`]),
@@ -347,7 +349,7 @@ impl RouteView<'_> {
         pool: Pool,
         k: usize,
         minus: &[Slot],
-    ) -> std::borrow::Cow<'v, WorkerView<'v>> {
+    ) -> std::borrow::Cow<'v, WorkerView> {
         match self.fleet {
             Some(fleet) => std::borrow::Cow::Owned(fleet.view(fleet.nth(pool, k, minus))),
             None => std::borrow::Cow::Borrowed(
@@ -453,14 +455,14 @@ pub(crate) fn by_reserved_work(a: &WorkerView, b: &WorkerView) -> Ordering {
         .cmp(&b.reserved_work)
         .then_with(|| pressure_order(a.pressure, b.pressure))
         .then_with(|| a.waiting.cmp(&b.waiting))
-        .then_with(|| a.id.cmp(b.id))
+        .then_with(|| a.id_order.cmp(&b.id_order))
 }
 
 /// Lowest pressure, then least reserved work, then id.
 pub(crate) fn by_pressure(a: &WorkerView, b: &WorkerView) -> Ordering {
     pressure_order(a.pressure, b.pressure)
         .then_with(|| a.reserved_work.cmp(&b.reserved_work))
-        .then_with(|| a.id.cmp(b.id))
+        .then_with(|| a.id_order.cmp(&b.id_order))
 }
 
 /// The best of `pool` by `order`. `pool` must not be empty.

@@ -5,6 +5,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::baselines::dynamo_cost_of;
 use super::*;
+use crate::input::WorkerId;
 
 /// A worker as the policy sees it: a candidate with fresh telemetry and nothing reserved.
 struct W {
@@ -45,13 +46,15 @@ impl W {
     }
 }
 
-fn views(workers: &[W]) -> Vec<WorkerView<'_>> {
+/// Views of `workers`, each numbered by its id's place among theirs, as the router numbers ids.
+fn views(workers: &[W]) -> Vec<WorkerView> {
+    let id_order = |id: &WorkerId| workers.iter().filter(|other| other.id < *id).count() as u32;
     workers
         .iter()
         .enumerate()
         .map(|(i, w)| WorkerView {
             slot: i as Slot,
-            id: &w.id,
+            id_order: id_order(&w.id),
             dp_rank: 0,
             candidate: true,
             depth: w.depth,

@@ -45,8 +45,21 @@ pub(super) struct RouteScratch {
     pub(super) pools: Pools,
     /// Slots the worker table reported changed; kept to reuse its buffer.
     changed: Vec<Slot>,
-    /// The request's excluded ranks, ascending; kept to reuse its buffer.
+    /// The buffers a route takes while it runs, kept between routes so a route allocates none
+    /// of them.
+    buffers: RouteBuffers,
+}
+
+/// Buffers one route fills and empties, taken out of [`RouteScratch`] for the route's length
+/// (the scratch itself is borrowed by the views meanwhile) and handed back at its end.
+#[derive(Debug, Default)]
+pub(super) struct RouteBuffers {
+    /// The request's excluded ranks, ascending.
     pub(super) excluded: Vec<Slot>,
+    /// The policy's views of the route's listed ranks (a wide decision lists hundreds).
+    pub(super) views: Vec<WorkerView>,
+    /// The route's owners as packed (id order, view position) keys.
+    pub(super) owner_order: Vec<u64>,
 }
 
 /// One rank's depths per tier, valid for the route it names.
@@ -127,14 +140,21 @@ impl RouteScratch {
         &self.touched
     }
 
-    /// Ends a route: its rows go stale at once, and the excluded ranks' buffer is kept.
-    pub(super) fn finish(&mut self, mut excluded: Vec<Slot>) {
+    /// The route's buffers, empty, until [`RouteScratch::finish`] hands them back.
+    pub(super) fn take_buffers(&mut self) -> RouteBuffers {
+        std::mem::take(&mut self.buffers)
+    }
+
+    /// Ends a route: its rows go stale at once, and the buffers the route took are kept.
+    pub(super) fn finish(&mut self, mut buffers: RouteBuffers) {
         // Wrapping to 0 makes the next `prepare` clear every row.
         self.route = self.route.wrapping_add(1);
         self.touched.clear();
         self.deepest = [0; 4];
-        excluded.clear();
-        self.excluded = excluded;
+        buffers.excluded.clear();
+        buffers.views.clear();
+        buffers.owner_order.clear();
+        self.buffers = buffers;
     }
 
     /// Brings the pools up to date for a route at `now`.
@@ -393,7 +413,7 @@ pub(super) struct RouteFleet<'a> {
     pub(super) classes: Classes,
     /// Excluded ranks, ascending.
     pub(super) excluded: &'a [Slot],
-    pub(super) view: &'a dyn Fn(Slot) -> WorkerView<'a>,
+    pub(super) view: &'a dyn Fn(Slot) -> WorkerView,
 }
 
 impl RouteFleet<'_> {
@@ -415,7 +435,7 @@ impl RouteFleet<'_> {
     }
 }
 
-impl<'a> Fleet<'a> for RouteFleet<'a> {
+impl Fleet for RouteFleet<'_> {
     fn count(&self, pool: Pool, minus: &[Slot]) -> usize {
         self.pools.total(pool, self.classes) - self.left_out(pool, minus).len()
     }
@@ -435,7 +455,7 @@ impl<'a> Fleet<'a> for RouteFleet<'a> {
         }
     }
 
-    fn view(&self, slot: Slot) -> WorkerView<'a> {
+    fn view(&self, slot: Slot) -> WorkerView {
         (self.view)(slot)
     }
 }
@@ -460,7 +480,7 @@ mod tests {
         walk(&mut scratch, &[&[1, 2], &[1]]);
         assert_eq!(scratch.depths(1), (2, 0, 0), "rank 1 matched both keys");
         assert_eq!(scratch.touched(), &[1, 2]);
-        scratch.finish(Vec::new());
+        scratch.finish(RouteBuffers::default());
         // As if 2^32 - 3 routes that never met rank 1 went by: the counter is about to come
         // back to the number rank 1's row carries.
         scratch.route = u32::MAX;
@@ -481,7 +501,7 @@ mod tests {
                 &[2],
                 "only this route's matches are listed"
             );
-            scratch.finish(Vec::new());
+            scratch.finish(RouteBuffers::default());
         }
     }
 }

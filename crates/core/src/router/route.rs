@@ -7,7 +7,7 @@
 //! views of those ranks only, and power-of-two draws come from the fleet's pools
 //! ([`super::pools`]). Explain rows and the baseline policies still view every worker.
 
-use super::pools::{RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST};
+use super::pools::{RouteBuffers, RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST};
 use super::*;
 use crate::replicas::PeerRoute;
 use crate::workers::Worker;
@@ -83,21 +83,21 @@ impl Router {
     }
 
     /// What the policy knows about one live rank for this request.
-    fn view_of<'a>(
+    fn view_of(
         &self,
         scratch: &RouteScratch,
         slot: Slot,
-        w: &'a Worker,
+        w: &Worker,
         model: Option<&str>,
         excluded: &[Slot],
         now: u64,
-    ) -> WorkerView<'a> {
+    ) -> WorkerView {
         let policy_config = &self.config.policy;
         let max_age = policy_config.telemetry_max_age_ms;
         let (depth, host_depth, disk_depth) = scratch.depths(slot);
         WorkerView {
             slot,
-            id: &w.id,
+            id_order: self.state.workers.id_order(slot),
             dp_rank: w.dp_rank,
             candidate: w.state == WorkerState::Active
                 && excluded.binary_search(&slot).is_err()
@@ -121,16 +121,16 @@ impl Router {
     /// owners, so a prefix the whole fleet shares costs its owners, not its holders. When no
     /// candidate reaches the threshold, every rank that does is listed (step 7 labels by them).
     /// A match short of the threshold without a lower-tier match is never listed.
-    fn listed_views<'a>(
+    fn listed_views(
         &self,
         scratch: &RouteScratch,
         prompt_blocks: usize,
-        view_of: &dyn Fn(Slot) -> WorkerView<'a>,
-    ) -> Vec<WorkerView<'a>> {
+        view_of: &dyn Fn(Slot) -> WorkerView,
+        views: &mut Vec<WorkerView>,
+    ) {
         let threshold = self.config.policy.match_threshold(prompt_blocks);
         let live = |slot: Slot| self.state.workers.get(slot).is_some();
         let depth = |slot: Slot| scratch.depths(slot).0;
-        let mut views: Vec<WorkerView<'a>> = Vec::new();
         // Levels at or above `listed_from` are listed. Two levels are tried one at a time (a
         // deepest match held only by draining or excluded ranks); past that, the rest at once.
         // The deepest level is known from the walks; only the next one needs a pass.
@@ -171,7 +171,7 @@ impl Router {
         // no candidate was found.
         let owners_found = views.iter().any(|v| v.candidate);
         if owners_found && !scratch.any_lower_tier() {
-            return views;
+            return;
         }
         views.extend(
             scratch
@@ -185,7 +185,6 @@ impl Router {
                 })
                 .map(|&slot| view_of(slot)),
         );
-        views
     }
 
     /// The namespace a route's effects are recorded under. A route never creates a namespace
@@ -231,7 +230,11 @@ impl Router {
         let block_size = self.block_size_of(req.model.as_deref());
         // Every live rank of an excluded worker, ascending: looked up per rank, so the cost of a
         // route does not grow with the product of the fleet and the exclude list.
-        let mut excluded = std::mem::take(&mut self.scratch.excluded);
+        let RouteBuffers {
+            mut excluded,
+            mut views,
+            mut owner_order,
+        } = self.scratch.take_buffers();
         for id in &req.exclude {
             excluded.extend(self.state.workers.slots_of(id));
         }
@@ -247,8 +250,8 @@ impl Router {
         // Pressure-first decides on the matched ranks and the fleet's pools; explain rows and the
         // baselines see every worker.
         let sparse = self.config.policy.kind == PolicyKind::PressureFirst && !req.explain;
-        let views: Vec<WorkerView> = if sparse {
-            let mut views = self.listed_views(scratch, req.keys.len(), &view_of);
+        if sparse {
+            self.listed_views(scratch, req.keys.len(), &view_of, &mut views);
             // The provisional owner of the longest match's prefix, which the policy may add to
             // the known owners.
             let deepest = views
@@ -268,14 +271,9 @@ impl Router {
                 }
             }
             views.sort_unstable_by_key(|v| v.slot);
-            views
         } else {
-            self.state
-                .workers
-                .iter()
-                .map(|(slot, _)| view_of(slot))
-                .collect()
-        };
+            views.extend(self.state.workers.iter().map(|(slot, _)| view_of(slot)));
+        }
         let fleet = RouteFleet {
             pools: &scratch.pools,
             classes: scratch.pools.classes(model),
@@ -297,12 +295,20 @@ impl Router {
         let choice = policy::decide(&self.config.policy, &mut policy_state, &view, &mut rng);
         let Some(choice) = choice else {
             self.state.policy = policy_state;
-            self.scratch.finish(excluded);
+            self.scratch.finish(RouteBuffers {
+                excluded,
+                views,
+                owner_order,
+            });
             return None;
+        };
+        let id_of = |slot: Slot| {
+            let w = self.state.workers.get(slot).expect("a live rank");
+            w.id.clone()
         };
         let chosen = view_of(choice.slot);
         let slot = chosen.slot;
-        let worker_id = chosen.id.clone();
+        let worker_id = id_of(slot);
         let rank = chosen.dp_rank;
         let dp_rank = self
             .state
@@ -316,16 +322,17 @@ impl Router {
         // orders ids (read once per owner, where comparing ids reads two of them per step),
         // packed above the owner's position into one integer, so the sort compares and moves
         // single words. Positions are distinct, so the order is that of a stable sort.
-        let owner_order: Vec<u64> = choice
-            .known_owners
-            .iter()
-            .map(|&i| u64::from(self.state.workers.id_order(views[i].slot)) << 32 | i as u64)
-            .collect();
+        owner_order.extend(
+            choice
+                .known_owners
+                .iter()
+                .map(|&i| u64::from(views[i].id_order) << 32 | i as u64),
+        );
         let mut owner_order = sort_packed(owner_order);
         owner_order.dedup_by_key(|&mut packed| packed >> 32);
         let owners: Vec<WorkerId> = owner_order
             .iter()
-            .map(|&packed| views[packed as u32 as usize].id.clone())
+            .map(|&packed| id_of(views[packed as u32 as usize].slot))
             .collect();
         let match_threshold = self.config.policy.match_threshold(req.keys.len());
         let explain = req.explain.then(|| {
@@ -338,7 +345,7 @@ impl Router {
                         .get(v.slot)
                         .expect("viewed worker exists");
                     ExplainRow {
-                        worker: v.id.clone(),
+                        worker: w.id.clone(),
                         dp_rank: self.state.workers.multi_rank(v.slot).then_some(v.dp_rank),
                         candidate: v.candidate,
                         state: w.state,
@@ -359,7 +366,11 @@ impl Router {
                 .collect()
         });
         self.state.policy = policy_state;
-        self.scratch.finish(excluded);
+        self.scratch.finish(RouteBuffers {
+            excluded,
+            views,
+            owner_order,
+        });
 
         // Effects, inside the same transition that chose the worker.
         let output = req
