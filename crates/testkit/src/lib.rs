@@ -19,7 +19,8 @@
 //! - [`watchdog`]: a benchmark's time limit, which kills every [`Watched`] process and exits.
 //! - [`engine`]: [`engine::TestEngine`], a ZeroMQ publisher that frames, numbers, buffers and
 //!   replays KV events exactly as vLLM's and SGLang's `ZmqEventPublisher` do (feature `engine`).
-//! - [`counting_alloc`]: a global allocator that counts live heap bytes, for memory figures.
+//! - [`counting_alloc`]: a global allocator that counts live heap bytes and allocations, for
+//!   memory figures and for checking that a path allocates only what it hands back.
 //!   The only part without the `processes` feature (the peer benchmark uses it alone).
 
 pub mod counting_alloc;
