@@ -240,7 +240,7 @@ impl Router {
         }
         excluded.sort_unstable();
         excluded.dedup();
-        // Read-only from here until the route ends: views and the fleet borrow it.
+        // Read-only from here until the route ends: the view function and the fleet borrow it.
         let scratch = &self.scratch;
         let model = req.model.as_deref();
         let view_of = |slot: Slot| {
