@@ -228,13 +228,14 @@ impl Router {
         Self::walk_depths(&self.state, &mut self.scratch, ns, &req.keys, now);
         let max_age = self.config.policy.telemetry_max_age_ms;
         let block_size = self.block_size_of(req.model.as_deref());
+        let mut buffers = self.scratch.take_buffers();
+        let RouteBuffers {
+            excluded,
+            views,
+            owner_order,
+        } = &mut buffers;
         // Every live rank of an excluded worker, ascending: looked up per rank, so the cost of a
         // route does not grow with the product of the fleet and the exclude list.
-        let RouteBuffers {
-            mut excluded,
-            mut views,
-            mut owner_order,
-        } = self.scratch.take_buffers();
         for id in &req.exclude {
             excluded.extend(self.state.workers.slots_of(id));
         }
@@ -245,13 +246,13 @@ impl Router {
         let model = req.model.as_deref();
         let view_of = |slot: Slot| {
             let w = self.state.workers.get(slot).expect("a live rank");
-            self.view_of(scratch, slot, w, model, &excluded, now)
+            self.view_of(scratch, slot, w, model, excluded, now)
         };
         // Pressure-first decides on the matched ranks and the fleet's pools; explain rows and the
         // baselines see every worker.
         let sparse = self.config.policy.kind == PolicyKind::PressureFirst && !req.explain;
         if sparse {
-            self.listed_views(scratch, req.keys.len(), &view_of, &mut views);
+            self.listed_views(scratch, req.keys.len(), &view_of, views);
             // The provisional owner of the longest match's prefix, which the policy may add to
             // the known owners.
             let deepest = views
@@ -277,7 +278,7 @@ impl Router {
         let fleet = RouteFleet {
             pools: &scratch.pools,
             classes: scratch.pools.classes(model),
-            excluded: &excluded,
+            excluded,
             view: &view_of,
         };
         let provisional =
@@ -287,7 +288,7 @@ impl Router {
             keys: &req.keys,
             prompt_tokens: req.prompt_tokens,
             block_size,
-            workers: &views,
+            workers: views,
             provisional: &provisional,
             fleet: sparse.then_some(&fleet as &dyn policy::Fleet),
         };
@@ -295,11 +296,7 @@ impl Router {
         let choice = policy::decide(&self.config.policy, &mut policy_state, &view, &mut rng);
         let Some(choice) = choice else {
             self.state.policy = policy_state;
-            self.scratch.finish(RouteBuffers {
-                excluded,
-                views,
-                owner_order,
-            });
+            self.scratch.finish(buffers);
             return None;
         };
         let id_of = |slot: Slot| {
@@ -328,7 +325,7 @@ impl Router {
                 .iter()
                 .map(|&i| u64::from(views[i].id_order) << 32 | i as u64),
         );
-        let mut owner_order = sort_packed(owner_order);
+        sort_packed(owner_order);
         owner_order.dedup_by_key(|&mut packed| packed >> 32);
         let owners: Vec<WorkerId> = owner_order
             .iter()
@@ -366,11 +363,7 @@ impl Router {
                 .collect()
         });
         self.state.policy = policy_state;
-        self.scratch.finish(RouteBuffers {
-            excluded,
-            views,
-            owner_order,
-        });
+        self.scratch.finish(buffers);
 
         // Effects, inside the same transition that chose the worker.
         let output = req
@@ -430,26 +423,27 @@ impl Router {
 /// pass on the keys' top bits, about two buckets per key, leaves them nearly sorted, and an
 /// insertion pass finishes. Labels crowded together (many ids joined between two neighbours)
 /// leave the buckets unbalanced; when the insertion pass has moved keys eight times their
-/// number, the standard sort takes over, so the worst case stays a comparison sort's.
-fn sort_packed(mut keys: Vec<u64>) -> Vec<u64> {
+/// number, the standard sort takes over, so the worst case stays a comparison sort's. Sorts
+/// in place below 128 keys; above, the keys end up in a new vector of the counting pass.
+fn sort_packed(keys: &mut Vec<u64>) {
     let n = keys.len();
     if n < 128 {
         keys.sort_unstable();
-        return keys;
+        return;
     }
     // Two buckets per key: fewer keys share one, so fewer are left out of order.
     let bits = n.next_power_of_two().trailing_zeros() + 1;
     let shift = 64 - bits;
     let bucket = |k: u64| (k >> shift) as usize;
     let mut starts = vec![0u32; (1 << bits) + 1];
-    for &k in &keys {
+    for &k in keys.iter() {
         starts[bucket(k) + 1] += 1;
     }
     for b in 1..starts.len() {
         starts[b] += starts[b - 1];
     }
     let mut out = vec![0u64; n];
-    for &k in &keys {
+    for &k in keys.iter() {
         let b = bucket(k);
         out[starts[b] as usize] = k;
         starts[b] += 1;
@@ -475,7 +469,7 @@ fn sort_packed(mut keys: Vec<u64>) -> Vec<u64> {
             break;
         }
     }
-    out
+    *keys = out;
 }
 
 /// A worker without a declared model serves any model; a request without a model fits any worker.
@@ -562,7 +556,7 @@ mod tests {
                 })
                 .collect();
             let descending: Vec<u64> = (0..n as u64).rev().map(|i| i << 40).collect();
-            for (form, keys) in [
+            for (form, mut keys) in [
                 ("spread", spread),
                 ("crowded", crowded),
                 ("outlier", outlier),
@@ -570,9 +564,9 @@ mod tests {
             ] {
                 let mut expected = keys.clone();
                 expected.sort_unstable();
+                sort_packed(&mut keys);
                 assert_eq!(
-                    sort_packed(keys),
-                    expected,
+                    keys, expected,
                     "{n} {form} keys are sorted as the standard sort sorts them"
                 );
             }

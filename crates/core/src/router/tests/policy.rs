@@ -114,6 +114,25 @@ fn cached_owners_share_load_by_least_reserved_work_reserved_atomically() {
 }
 
 #[test]
+fn owners_alike_in_work_pressure_and_queue_are_taken_in_id_order_not_join_order() {
+    // Joined "c" first and "a" last, so slot order is c, b, a; everything else is equal, so
+    // only the last tie-break of step 4 (then id) tells the owners apart.
+    let mut fleet = Fleet::new();
+    for w in ["c", "b", "a"] {
+        fleet.store(w, &PROMPT);
+        fleet.load(w, 0.40);
+    }
+    let picks: Vec<String> = (0..3)
+        .map(|_| fleet.route(&PROMPT).worker.to_string())
+        .collect();
+    assert_eq!(
+        picks,
+        ["a", "b", "c"],
+        "ties between owners break by id, whatever order the workers joined in"
+    );
+}
+
+#[test]
 fn release_returns_reserved_work_and_unknown_reservations_are_not_found() {
     let mut fleet = Fleet::new();
     fleet.load("a", 0.1);
