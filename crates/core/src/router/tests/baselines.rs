@@ -53,9 +53,7 @@ fn baselines_route_by_their_own_rule() {
         rr.load(w, 0.1);
     }
     rr.store("c", &PROMPT);
-    let picks: Vec<String> = (0..4)
-        .map(|_| rr.route(&PROMPT).worker.to_string())
-        .collect();
+    let picks = rr.chosen(&PROMPT, 4);
     assert_eq!(picks, ["a", "b", "c", "a"], "round robin ignores the cache");
 
     let mut lp = Fleet::with(|c| c.policy.kind = PolicyKind::LongestPrefix);
@@ -74,9 +72,7 @@ fn baselines_route_by_their_own_rule() {
     p2c.store("owner", &PROMPT);
     p2c.load("owner", 0.1);
     p2c.load("other", 0.1);
-    let picks: Vec<String> = (0..4)
-        .map(|_| p2c.route(&PROMPT).worker.to_string())
-        .collect();
+    let picks = p2c.chosen(&PROMPT, 4);
     assert!(
         picks.iter().any(|w| w == "other"),
         "p2c balances reserved work, cache-blind: {picks:?}"

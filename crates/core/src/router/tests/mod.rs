@@ -174,6 +174,14 @@ impl Fleet {
         self.route_req(Fleet::request(locals))
     }
 
+    /// The workers `routes` back-to-back routes of `locals` choose (each reserves its work
+    /// before the next is decided).
+    fn chosen(&mut self, locals: &[u64], routes: usize) -> Vec<String> {
+        (0..routes)
+            .map(|_| self.route(locals).worker.to_string())
+            .collect()
+    }
+
     fn route_excluding(&mut self, locals: &[u64], exclude: &[&str]) -> Decision {
         let mut req = Fleet::request(locals);
         req.exclude = exclude.iter().map(|w| id(w)).collect();

@@ -89,9 +89,7 @@ fn cached_owners_share_load_by_least_reserved_work_reserved_atomically() {
         fleet.load(w, 0.40);
     }
     fleet.load("idle", 0.0);
-    let picks: Vec<String> = (0..6)
-        .map(|_| fleet.route(&PROMPT).worker.to_string())
-        .collect();
+    let picks = fleet.chosen(&PROMPT, 6);
     // Each decision reserves its work before the next is decided, so back-to-back requests
     // rotate over the owners instead of piling onto one.
     assert_eq!(
@@ -122,9 +120,7 @@ fn owners_alike_in_work_pressure_and_queue_are_taken_in_id_order_not_join_order(
         fleet.store(w, &PROMPT);
         fleet.load(w, 0.40);
     }
-    let picks: Vec<String> = (0..3)
-        .map(|_| fleet.route(&PROMPT).worker.to_string())
-        .collect();
+    let picks = fleet.chosen(&PROMPT, 3);
     assert_eq!(
         picks,
         ["a", "b", "c"],
@@ -228,9 +224,7 @@ fn authoritative_owners_beyond_the_ceiling_are_never_pruned_and_stay_candidates(
         fleet.load(w, 0.50 + i as f64 * 0.01);
     }
     fleet.load("spare", 0.0);
-    let picks: Vec<String> = (0..4)
-        .map(|_| fleet.route(&PROMPT).worker.to_string())
-        .collect();
+    let picks = fleet.chosen(&PROMPT, 4);
     let mut sorted = picks.clone();
     sorted.sort();
     assert_eq!(
