@@ -82,36 +82,39 @@ impl RouteScratch {
         }
     }
 
-    /// Extends each owner's consecutive match on `tier` from position `i` to `i + 1`: a depth
-    /// only grows if it already covers every earlier key. Returns whether any rank still
+    /// Extends each owner's consecutive match on tier `TIER` from position `i` to `i + 1`: a
+    /// depth only grows if it already covers every earlier key. Returns whether any rank still
     /// matches, so the walk stops at the first key nobody continues.
-    pub(super) fn extend(
+    ///
+    /// A row is written for this route only when its rank matches a first key, on some tier:
+    /// a rank first met further on matched nothing before it and never will on this route, so
+    /// every row of the route is a rank with a non-zero depth, listed once in `touched`.
+    pub(super) fn extend<const TIER: usize>(
         &mut self,
-        tier: usize,
         i: usize,
         owners: impl Iterator<Item = Slot>,
     ) -> bool {
+        let (route, i) = (self.route, i as u32);
         let mut any = false;
         for slot in owners {
             let row = &mut self.depth[slot as usize];
-            if row.route != self.route {
-                *row = DepthRow {
-                    depths: [0; 4],
-                    route: self.route,
-                };
-            }
-            let depths = &mut row.depths;
-            if depths[tier] as usize == i {
-                if *depths == [0; 4] {
+            if row.route != route {
+                if i == 0 {
+                    let mut depths = [0; 4];
+                    depths[TIER] = 1;
+                    *row = DepthRow { depths, route };
                     self.touched.push(slot);
+                    any = true;
                 }
-                depths[tier] += 1;
+                continue;
             }
+            let depth = &mut row.depths[TIER];
+            *depth += u32::from(*depth == i);
             // A slot can appear twice for one key (two engine hashes); it still counts once.
-            any |= depths[tier] as usize == i + 1;
+            any |= *depth == i + 1;
         }
         if any {
-            self.deepest[tier] = i as u32 + 1;
+            self.deepest[TIER] = i + 1;
         }
         any
     }
@@ -468,7 +471,7 @@ mod tests {
     fn walk(scratch: &mut RouteScratch, keys: &[&[Slot]]) {
         scratch.prepare(8);
         for (i, owners) in keys.iter().enumerate() {
-            if !scratch.extend(DEVICE, i, owners.iter().copied()) {
+            if !scratch.extend::<DEVICE>(i, owners.iter().copied()) {
                 break;
             }
         }

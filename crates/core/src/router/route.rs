@@ -35,19 +35,18 @@ impl Router {
         let Some(ns) = ns else {
             return;
         };
-        let tiers = [
-            (DEVICE, &state.index),
-            (HOST, &state.lower.host),
-            (DISK, &state.lower.disk),
-        ];
-        for (tier, index) in tiers {
-            index.walk(ns, keys, |i, owners| {
-                scratch.extend(tier, i, owners.iter().copied())
-            });
-        }
-        state
-            .approx
-            .walk(ns, keys, now, |i, owners| scratch.extend(APPROX, i, owners));
+        state.index.walk(ns, keys, |i, owners| {
+            scratch.extend::<DEVICE>(i, owners.iter().copied())
+        });
+        state.lower.host.walk(ns, keys, |i, owners| {
+            scratch.extend::<HOST>(i, owners.iter().copied())
+        });
+        state.lower.disk.walk(ns, keys, |i, owners| {
+            scratch.extend::<DISK>(i, owners.iter().copied())
+        });
+        state.approx.walk(ns, keys, now, |i, owners| {
+            scratch.extend::<APPROX>(i, owners)
+        });
     }
 
     /// The lower-tier depth of one worker rank for a prompt's block keys: how many leading
