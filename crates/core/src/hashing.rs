@@ -36,6 +36,10 @@ pub fn local_hash(tokens: &[u32]) -> u64 {
 }
 
 /// Key of a block given the key of the block before it (`None` at the start of a chain).
+///
+/// Inline (also across crates), so a loop over a prompt's blocks chains each key in about
+/// twenty instructions rather than a call apiece.
+#[inline]
 pub fn chain(parent: Option<u64>, local: u64) -> u64 {
     match parent {
         None => local,
