@@ -15,10 +15,10 @@ use super::{
 /// Labels a baseline's pick (a position in the view's workers, which baselines always see in
 /// full) with the label pressure-first would give the same situation.
 fn labelled(config: &PolicyConfig, view: &RouteView, worker: usize) -> Choice {
-    let (owners, _) = longest_match(config, view).unwrap_or_default();
-    let label = if owners.contains(&worker) {
+    let owners = longest_match(config, view).unwrap_or_default();
+    let label = if owners.contains(view.workers, worker) {
         DecisionLabel::OwnerHold
-    } else if !owners.is_empty() {
+    } else if !owners.is_empty(view.workers) {
         DecisionLabel::PressureSpill
     } else {
         no_owner_label(config, view)
@@ -64,7 +64,7 @@ pub fn legacy(config: &PolicyConfig, view: &RouteView) -> Option<Choice> {
     if candidates.is_empty() {
         return None;
     }
-    let least_loaded = best_by(view, &candidates, by_request_count);
+    let least_loaded = best_by(view, candidates.iter().copied(), by_request_count);
     let counts = candidates
         .iter()
         .map(|&i| view.workers[i].reserved_requests);
@@ -79,11 +79,11 @@ pub fn legacy(config: &PolicyConfig, view: &RouteView) -> Option<Choice> {
     if spread || overloaded {
         return Some(labelled(config, view, least_loaded));
     }
-    let Some((owners, _)) = longest_match(config, view) else {
+    let Some(owners) = longest_match(config, view) else {
         return Some(labelled(config, view, least_loaded));
     };
-    let best_owner = best_by(view, &owners, by_request_count);
-    let below_target = owners.len() < config.max_owners_per_prefix;
+    let best_owner = best_by(view, owners.positions(view.workers), by_request_count);
+    let below_target = owners.positions(view.workers).count() < config.max_owners_per_prefix;
     let replicate = below_target
         && view.workers[least_loaded].reserved_requests
             < view.workers[best_owner].reserved_requests;
@@ -128,7 +128,7 @@ pub fn longest_prefix(
         return None;
     }
     let worker = match longest_match(config, view) {
-        Some((owners, _)) => best_by(view, &owners, by_reserved_work),
+        Some(owners) => best_by(view, owners.positions(view.workers), by_reserved_work),
         None => drawn(config, view, &candidates, rng),
     };
     Some(labelled(config, view, worker))

@@ -367,6 +367,55 @@ impl RouteView<'_> {
 /// kept off the heap so a decision allocates nothing for them.
 pub type Positions = SmallVec<[usize; 4]>;
 
+/// The known owners of a decision's prefix (steps 2 and 3 of the policy), named rather than
+/// listed: the candidates at the longest match's depth, then the provisional owner step 3 adds.
+/// A decision with dozens of owners thus keeps no list of them (one spilled past a few inline
+/// positions was an allocation per decision).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KnownOwners {
+    /// The depth of the longest match the owners hold; 0 when there is none.
+    pub depth: u32,
+    /// The provisional owner's position in [`RouteView::workers`], when it is not already an
+    /// owner by depth.
+    pub provisional: Option<usize>,
+}
+
+impl KnownOwners {
+    /// The candidates at the longest match `depth` (at least 1).
+    fn at_depth(depth: u32) -> Self {
+        KnownOwners {
+            depth,
+            provisional: None,
+        }
+    }
+
+    /// Whether the worker at position `i` owns by depth (the provisional owner aside).
+    fn owns_by_depth(&self, w: &WorkerView) -> bool {
+        self.depth > 0 && w.candidate && w.depth == self.depth
+    }
+
+    /// Whether the worker at position `i` of `workers` is a known owner.
+    pub fn contains(&self, workers: &[WorkerView], i: usize) -> bool {
+        self.provisional == Some(i) || self.owns_by_depth(&workers[i])
+    }
+
+    /// Positions of the known owners: the owners by depth in listing order, then the
+    /// provisional owner.
+    pub fn positions<'v>(
+        &self,
+        workers: &'v [WorkerView],
+    ) -> impl Iterator<Item = usize> + Clone + 'v {
+        let owners = *self;
+        (0..workers.len())
+            .filter(move |&i| owners.owns_by_depth(&workers[i]))
+            .chain(owners.provisional)
+    }
+
+    pub fn is_empty(&self, workers: &[WorkerView]) -> bool {
+        self.positions(workers).next().is_none()
+    }
+}
+
 /// A policy's decision. Owner positions index [`RouteView::workers`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
@@ -374,7 +423,7 @@ pub struct Choice {
     pub slot: Slot,
     pub label: DecisionLabel,
     pub matched_blocks: u32,
-    pub known_owners: Positions,
+    pub known_owners: KnownOwners,
     /// Set on `pressure_spill`: record the chosen worker as provisional owner of this prefix.
     pub spilled_prefix: Option<u64>,
 }
@@ -402,9 +451,9 @@ pub fn decide(
     }
 }
 
-/// The deepest match among candidates: positions of the owners and their depth, if that depth
+/// The deepest match among candidates: its owners (the candidates at that depth), if the depth
 /// reaches [`PolicyConfig::match_threshold`] (step 2 of the policy).
-pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(Positions, u32)> {
+pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<KnownOwners> {
     let depth = view
         .workers
         .iter()
@@ -414,8 +463,7 @@ pub(crate) fn longest_match(config: &PolicyConfig, view: &RouteView) -> Option<(
     if depth < config.match_threshold(view.keys.len()) {
         return None;
     }
-    let owners = positions(view, |w| w.candidate && w.depth == depth);
-    Some((owners, depth))
+    Some(KnownOwners::at_depth(depth))
 }
 
 /// The label of a decision that found no usable owner (docs/architecture.md, "Step 7: no
@@ -465,15 +513,14 @@ pub(crate) fn by_pressure(a: &WorkerView, b: &WorkerView) -> Ordering {
         .then_with(|| a.id_order.cmp(&b.id_order))
 }
 
-/// The best of `pool` by `order`. `pool` must not be empty.
+/// The best of `pool` (positions) by `order`, the first of equals. `pool` must not be empty.
 pub(crate) fn best_by(
     view: &RouteView,
-    pool: &[usize],
+    pool: impl IntoIterator<Item = usize>,
     order: impl Fn(&WorkerView, &WorkerView) -> Ordering,
 ) -> usize {
-    *pool
-        .iter()
-        .min_by(|&&a, &&b| order(&view.workers[a], &view.workers[b]))
+    pool.into_iter()
+        .min_by(|&a, &b| order(&view.workers[a], &view.workers[b]))
         .expect("best_by needs a non-empty pool")
 }
 

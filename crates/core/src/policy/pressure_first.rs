@@ -14,7 +14,8 @@ use crate::index::Slot;
 
 use super::{
     best_by, by_pressure, by_reserved_work, deepest_lower_tier, longest_match, no_owner_label,
-    positions, power_of_two, Choice, DecisionLabel, Draw, PolicyConfig, Pool, Positions, RouteView,
+    positions, power_of_two, Choice, DecisionLabel, Draw, KnownOwners, PolicyConfig, Pool,
+    Positions, RouteView,
 };
 
 pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Option<Choice> {
@@ -26,31 +27,27 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
     // 2. Longest match: the owners are the candidates at the maximum depth, if that depth
     //    reaches min_match_blocks and min_match_ratio of the prompt. The prefix key P is the key
     //    at that depth.
-    let Some((mut known_owners, depth)) = longest_match(config, view) else {
+    let Some(mut known_owners) = longest_match(config, view) else {
         // 7. No owner: a cold miss, or owners that exist but are all unavailable.
         return Some(no_owner(config, view, rng));
     };
-    let prefix = view.keys[depth as usize - 1];
+    let prefix = view.keys[known_owners.depth as usize - 1];
 
     // 3. Known owners = owners ∪ the provisional owner recorded for P, if it is inside the
     //    cooldown and a candidate.
     let provisional = (view.provisional)(prefix)
         .filter(|p| view.now_ms.saturating_sub(p.spilled_ms) < config.spill_cooldown_ms);
     if let Some(p) = provisional {
-        if let Some(pos) = view
+        known_owners.provisional = view
             .workers
             .iter()
             .position(|w| w.slot == p.slot && w.candidate)
-        {
-            if !known_owners.contains(&pos) {
-                known_owners.push(pos);
-            }
-        }
+            .filter(|&pos| !known_owners.contains(view.workers, pos));
     }
     let ((slot, matched_blocks), label, spilled_prefix) = hold_or_spill(
         config,
         view,
-        &known_owners,
+        known_owners,
         prefix,
         provisional.is_some(),
         rng,
@@ -71,49 +68,39 @@ pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Op
 fn hold_or_spill(
     config: &PolicyConfig,
     view: &RouteView,
-    known_owners: &[usize],
+    known_owners: KnownOwners,
     prefix: u64,
     spill_in_cooldown: bool,
     rng: &mut impl Rng,
 ) -> ((Slot, u32), DecisionLabel, Option<u64>) {
     let listed = |i: usize| (view.workers[i].slot, view.workers[i].depth);
+    let owners = known_owners.positions(view.workers);
 
     // 4. Hold on a suitable owner. An owner is pressured when its fresh pressure is above
     //    min(best owner pressure + slack, high_water); missing or stale telemetry is never
     //    pressure (telemetry gaps fail open to known owners). Pressure is ranked only within the
     //    owner set.
-    let best = known_owners
-        .iter()
-        .filter_map(|&i| view.workers[i].pressure)
+    let best = owners
+        .clone()
+        .filter_map(|i| view.workers[i].pressure)
         .min_by(f64::total_cmp);
     let limit = best.map(|best| (best + config.pressure_slack).min(config.high_water));
     let pressured = |i: usize| match (view.workers[i].pressure, limit) {
         (Some(pressure), Some(limit)) => pressure > limit,
         _ => false,
     };
-    // Most often no owner is pressured: then all of them are the hold's pool, not a copy.
-    let unpressured: Positions;
-    let hold_pool: &[usize] = if known_owners.iter().any(|&i| pressured(i)) {
-        unpressured = known_owners
-            .iter()
-            .copied()
-            .filter(|&i| !pressured(i))
-            .collect();
-        &unpressured
-    } else {
-        known_owners
-    };
-    if !hold_pool.is_empty() {
+    let mut hold_pool = owners.clone().filter(|&i| !pressured(i)).peekable();
+    if hold_pool.peek().is_some() {
         let worker = best_by(view, hold_pool, by_reserved_work);
         return (listed(worker), DecisionLabel::OwnerHold, None);
     }
-    let least_pressured_owner = listed(best_by(view, known_owners, by_pressure));
+    let least_pressured_owner = listed(best_by(view, owners.clone(), by_pressure));
 
     // A safe home: a candidate that is not a known owner, with fresh telemetry at or below
     // high_water; those with the deepest lower-tier match of the prefix come first. Only listed
     // workers have a lower-tier match; without one, every safe non-owner of the fleet is a home.
     let mut owner_slots: SmallVec<[Slot; 4]> =
-        known_owners.iter().map(|&i| view.workers[i].slot).collect();
+        owners.clone().map(|i| view.workers[i].slot).collect();
     owner_slots.sort_unstable();
     // Some(reloaders) if there is a home; no reloaders means the whole pool of safe non-owners.
     let safe_homes = || -> Option<Positions> {
@@ -121,7 +108,7 @@ fn hold_or_spill(
             .filter(|&i| {
                 Pool::Safe.admits(config, &view.workers[i])
                     && view.workers[i].lower_tier_depth() > 0
-                    && !known_owners.contains(&i)
+                    && !known_owners.contains(view.workers, i)
             })
             .collect();
         if !reloaders.is_empty() {
@@ -142,13 +129,13 @@ fn hold_or_spill(
     };
 
     // 6. At the ceiling the router creates no new owner. (Authoritative owners beyond it are
-    //    never pruned: they are all still in `known_owners`.) The one escape: every known owner
+    //    never pruned: they are all still known owners.) The one escape: every known owner
     //    above ceiling_overflow_pressure, and no spill of P inside the cooldown.
-    if known_owners.len() >= config.max_owners_per_prefix {
+    if owner_slots.len() >= config.max_owners_per_prefix {
         let overloaded = config.ceiling_overflow_pressure.is_some_and(|x| {
-            known_owners
-                .iter()
-                .all(|&i| view.workers[i].pressure.is_some_and(|p| p > x))
+            owners
+                .clone()
+                .all(|i| view.workers[i].pressure.is_some_and(|p| p > x))
         });
         if overloaded && !spill_in_cooldown {
             if let Some(homes) = safe_homes() {
@@ -200,7 +187,7 @@ pub(crate) fn no_owner(config: &PolicyConfig, view: &RouteView, rng: &mut impl R
         slot,
         label: no_owner_label(config, view),
         matched_blocks,
-        known_owners: Positions::new(),
+        known_owners: KnownOwners::default(),
         spilled_prefix: None,
     }
 }

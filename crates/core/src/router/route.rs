@@ -321,8 +321,8 @@ impl Router {
         owner_order.extend(
             choice
                 .known_owners
-                .iter()
-                .map(|&i| u64::from(views[i].id_order) << 32 | i as u64),
+                .positions(views)
+                .map(|i| u64::from(views[i].id_order) << 32 | i as u64),
         );
         sort_packed(owner_order);
         owner_order.dedup_by_key(|&mut packed| packed >> 32);
