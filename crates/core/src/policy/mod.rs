@@ -217,7 +217,7 @@ impl PolicyConfig {
 }
 
 /// What the policy knows about one known worker for one request.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct WorkerView {
     /// One candidate is one worker rank: a worker with several data-parallel ranks has a view
     /// per rank, each with its own ownership, load and reserved work.
