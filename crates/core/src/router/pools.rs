@@ -387,18 +387,19 @@ impl Pools {
         let p = pool_index(pool);
         let a = &self.trees[classes.0][p];
         let b = classes.1.map(|c| &self.trees[c][p]);
+        debug_assert!(k < self.total(pool, classes), "the k-th of fewer members");
+        // The whole tree (node `cap`) holds more than `k` members, so the descent starts one
+        // level down. Whether a step is taken is a coin flip to the branch predictor, so it is
+        // taken by masking, without a branch.
         let mut pos = 0;
         let mut rest = k as u32;
-        let mut step = self.cap;
+        let mut step = self.cap >> 1;
         while step > 0 {
             let next = pos + step;
-            if next <= self.cap {
-                let here = a.node(next) + b.map_or(0, |b| b.node(next));
-                if here <= rest {
-                    pos = next;
-                    rest -= here;
-                }
-            }
+            let here = a.node(next) + b.map_or(0, |b| b.node(next));
+            let take = usize::from(here <= rest).wrapping_neg();
+            pos += step & take;
+            rest -= here & take as u32;
             step >>= 1;
         }
         pos as Slot
