@@ -389,7 +389,7 @@ impl KnownOwners {
         }
     }
 
-    /// Whether the worker at position `i` owns by depth (the provisional owner aside).
+    /// Whether `w` owns by depth (the provisional owner aside).
     fn owns_by_depth(&self, w: &WorkerView) -> bool {
         self.depth > 0 && w.candidate && w.depth == self.depth
     }

@@ -99,6 +99,7 @@ fn hold_or_spill(
     // A safe home: a candidate that is not a known owner, with fresh telemetry at or below
     // high_water; those with the deepest lower-tier match of the prefix come first. Only listed
     // workers have a lower-tier match; without one, every safe non-owner of the fleet is a home.
+    // One slot per known owner (each is one rank).
     let mut owner_slots: SmallVec<[Slot; 4]> =
         owners.clone().map(|i| view.workers[i].slot).collect();
     owner_slots.sort_unstable();
