@@ -10,7 +10,6 @@
 use super::pools::{RouteBuffers, RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST};
 use super::*;
 use crate::replicas::PeerRoute;
-use crate::workers::Worker;
 
 /// A listing of at least this many matched ranks asks for their worker entries ahead of use:
 /// hundreds of owners otherwise wait for their entries one after another. Smaller listings
@@ -86,17 +85,16 @@ impl Router {
     /// listed rank (the copy's wide loads read the fields' narrower stores before they reached
     /// the cache, so store-to-load forwarding failed; a fifth of the route's own time in the
     /// profile of a 256-worker decision).
-    #[allow(clippy::too_many_arguments)]
     fn write_view(
         &self,
         scratch: &RouteScratch,
         slot: Slot,
-        w: &Worker,
         model: Option<&str>,
         excluded: &[Slot],
         now: u64,
         view: &mut WorkerView,
     ) {
+        let w = self.state.workers.get(slot).expect("a live rank");
         let policy_config = &self.config.policy;
         let max_age = policy_config.telemetry_max_age_ms;
         let (depth, host_depth, disk_depth) = scratch.depths(slot);
@@ -245,8 +243,7 @@ impl Router {
         let scratch = &self.scratch;
         let model = req.model.as_deref();
         let write_view = |slot: Slot, view: &mut WorkerView| {
-            let w = self.state.workers.get(slot).expect("a live rank");
-            self.write_view(scratch, slot, w, model, excluded, now, view);
+            self.write_view(scratch, slot, model, excluded, now, view)
         };
         let push_view = |slot: Slot, views: &mut Vec<WorkerView>| {
             views.push(WorkerView::default());
