@@ -411,6 +411,7 @@ impl KnownOwners {
             .chain(owners.provisional)
     }
 
+    /// Whether there is no known owner (a decision without a longest match).
     pub fn is_empty(&self, workers: &[WorkerView]) -> bool {
         self.positions(workers).next().is_none()
     }

@@ -280,6 +280,28 @@ fn an_overload_spill_happens_at_most_once_per_cooldown() {
 }
 
 #[test]
+fn a_provisional_owner_that_owns_by_depth_counts_once_toward_the_ceiling() {
+    // Step 3 is a union: the one owner, pressured above high_water, is also the provisional
+    // owner of the prefix (spilled 1 s ago, cooldown 5 s). Known owners are 1, below the
+    // ceiling of 2, so the spill coalesces rather than meeting the ceiling.
+    let fleet = [w("owner", 8, 0.95), w("home", 0, 0.1)];
+    let recent = ProvisionalOwner {
+        slot: 0,
+        spilled_ms: 9_000,
+    };
+    let (name, choice) = decide_with(&at_ceiling(None), &fleet, 8, Some(recent), 0);
+    assert_eq!(
+        (name.as_str(), choice.label),
+        ("owner", DecisionLabel::SpillCooldownHold),
+        "an owner that is also the provisional owner is one known owner, not two"
+    );
+    assert_eq!(
+        choice.known_owners.provisional, None,
+        "the provisional owner is named only when it does not already own by depth"
+    );
+}
+
+#[test]
 fn folded_backlog_raises_pressure_only_for_pressure_first_and_never_invents_telemetry() {
     let fold = PolicyConfig {
         backlog_pressure_tokens: 10_000,
