@@ -479,6 +479,90 @@ mod tests {
     }
 
     #[test]
+    fn only_ranks_matching_a_first_key_are_listed_and_each_tier_counts_on_its_own() {
+        let mut scratch = RouteScratch::default();
+        scratch.prepare(8);
+        let device: [&[Slot]; 3] = [&[1], &[1, 3], &[1, 1]];
+        for (i, owners) in device.iter().enumerate() {
+            assert!(scratch.extend::<DEVICE>(i, owners.iter().copied()));
+        }
+        let host: [&[Slot]; 2] = [&[2, 1], &[2]];
+        for (i, owners) in host.iter().enumerate() {
+            assert!(scratch.extend::<HOST>(i, owners.iter().copied()));
+        }
+        assert!(
+            !scratch.extend::<DISK>(0, [].into_iter()),
+            "a key nobody holds ends the walk"
+        );
+        assert_eq!(
+            scratch.depths(1),
+            (3, 1, 0),
+            "rank 1: three device keys (one listed twice), the first host key only"
+        );
+        assert_eq!(
+            scratch.depths(2),
+            (0, 2, 0),
+            "rank 2 is met on the host tier"
+        );
+        assert_eq!(
+            scratch.depths(3),
+            (0, 0, 0),
+            "rank 3 holds the second key without the first: no match"
+        );
+        assert_eq!(
+            scratch.touched(),
+            &[1, 2],
+            "each rank with a match is listed once; rank 3 never is"
+        );
+        assert_eq!(scratch.deepest[DEVICE], 3, "the device walk reached key 3");
+        assert_eq!(scratch.deepest[HOST], 2, "the host walk reached key 2");
+    }
+
+    #[test]
+    fn a_draw_finds_the_kth_member_in_slot_order_up_to_the_last_slot() {
+        let cap = 16;
+        let mut pools = Pools {
+            cap,
+            trees: vec![Default::default(); 3],
+            members: vec![Member::default(); cap],
+            ..Pools::default()
+        };
+        // Slots 0 and 15 (the first and last the trees cover) without a model, 4 and 9 of
+        // model class 2, 6 of another class that neither request below may use but the
+        // whole fleet.
+        let members = [(0, NO_MODEL), (4, 2), (6, 3), (9, 2), (15, NO_MODEL)];
+        pools.trees.push(Default::default());
+        for (slot, class) in members {
+            let member = Member {
+                pools: bit(Pool::Candidates),
+                class,
+            };
+            pools.count(slot, member, true);
+            pools.members[slot as usize] = member;
+        }
+        let drawn = |classes: Classes| -> Vec<Slot> {
+            (0..pools.total(Pool::Candidates, classes))
+                .map(|k| pools.select(Pool::Candidates, classes, k))
+                .collect()
+        };
+        assert_eq!(
+            drawn(Classes(ALL, None)),
+            [0, 4, 6, 9, 15],
+            "every member of the fleet, in slot order"
+        );
+        assert_eq!(
+            drawn(Classes(NO_MODEL, Some(2))),
+            [0, 4, 9, 15],
+            "a model's request draws from two trees summed: no model, and its own"
+        );
+        assert_eq!(
+            pools.total(Pool::Cool, Classes(ALL, None)),
+            0,
+            "a member counts only in its own pools"
+        );
+    }
+
+    #[test]
     fn a_finished_routes_depths_read_as_zero_in_later_routes_also_past_the_counters_wrap() {
         let mut scratch = RouteScratch::default();
         walk(&mut scratch, &[&[1, 2], &[1]]);
