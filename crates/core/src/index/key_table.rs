@@ -48,8 +48,12 @@ const MIN_LOAD: (usize, usize) = (1, 8);
 const MIN_BUCKETS: usize = 8;
 /// Buckets in one 64-byte cache line.
 const BUCKETS_PER_LINE: usize = 64 / std::mem::size_of::<(u64, u64)>();
-/// How many keys ahead of the one being read a pass over the index prefetches.
-const PREFETCH_AHEAD: usize = 4;
+/// How many keys ahead of the one being read a pass over the index prefetches. Eight, not
+/// four: where the index does not fit in the last-level cache (an AMD EPYC with 32 MiB of L3,
+/// against 260–480 MiB on the Xeons of earlier rounds), each probe waits on memory, and four
+/// keys ahead did not cover it (docs/performance.md, Round 5, sixteenth part: the decision's
+/// p99 at 256 workers 8.8 → 7.2 µs, alternated; on the Xeons the two were alike).
+const PREFETCH_AHEAD: usize = 8;
 
 /// What a pass over `items` asks the CPU to start loading at position `i`: the first
 /// [`PREFETCH_AHEAD`] and the next at the start, then the item [`PREFETCH_AHEAD`] ahead. Each
