@@ -479,3 +479,53 @@ fn blocks_longer_than_the_stack_buffer_hash_correctly() {
         "block sizes above 64 use the same hashing"
     );
 }
+
+#[test]
+fn token_ids_decode_alike_in_every_integer_form() {
+    use rmp::encode::{write_array_len, write_f64, write_i32, write_i8, write_nil, write_str};
+    use rmp::encode::{write_pfix, write_u16, write_u32, write_u64, write_u8};
+    // Each unsigned form a token id takes (the single-pass decoder reads these straight from
+    // the bytes), then the forms it leaves to the general reader: a non-negative value under a
+    // signed marker, a small value in a uint 64.
+    type Write = fn(&mut Vec<u8>, u32);
+    let forms: [(u32, Write); 11] = [
+        (0, |b, t| write_pfix(b, t as u8).unwrap()),
+        (127, |b, t| write_pfix(b, t as u8).unwrap()),
+        (128, |b, t| write_u8(b, t as u8).unwrap()),
+        (255, |b, t| write_u8(b, t as u8).unwrap()),
+        (256, |b, t| write_u16(b, t as u16).unwrap()),
+        (65_535, |b, t| write_u16(b, t as u16).unwrap()),
+        (65_536, |b, t| write_u32(b, t).unwrap()),
+        (u32::MAX, |b, t| write_u32(b, t).unwrap()),
+        (5, |b, t| write_i8(b, t as i8).unwrap()),
+        (70_000, |b, t| write_i32(b, t as i32).unwrap()),
+        (300, |b, t| write_u64(b, u64::from(t)).unwrap()),
+    ];
+    let mut payload = Vec::new();
+    write_array_len(&mut payload, 2).unwrap();
+    write_f64(&mut payload, 1.0).unwrap();
+    write_array_len(&mut payload, 1).unwrap();
+    write_array_len(&mut payload, 5).unwrap();
+    write_str(&mut payload, "BlockStored").unwrap();
+    write_array_len(&mut payload, forms.len() as u32).unwrap();
+    for hash in 0..forms.len() {
+        write_pfix(&mut payload, hash as u8).unwrap();
+    }
+    write_nil(&mut payload).unwrap();
+    write_array_len(&mut payload, forms.len() as u32).unwrap();
+    for (token, write) in forms {
+        write(&mut payload, token);
+    }
+    write_pfix(&mut payload, 1).unwrap();
+    assert!(
+        decode_vllm_array(&payload).is_some(),
+        "the single-pass decoder takes the batch"
+    );
+    let (_, blocks, ..) = stored_parts(only_event(decode_ok(&payload)));
+    let locals: Vec<u64> = blocks.iter().map(|b| b.local).collect();
+    let want: Vec<u64> = forms.iter().map(|&(t, _)| local_hash(&[t])).collect();
+    assert_eq!(
+        locals, want,
+        "every integer form of a token id decodes to the same id on both decoders"
+    );
+}
