@@ -295,7 +295,7 @@ impl ApproxIndex {
         let Some(blocks) = self.blocks.get(ns as usize) else {
             return;
         };
-        blocks.table.walk(keys, |i, value| {
+        blocks.table.walk(keys.iter().copied(), |i, value| {
             blocks.with_records(value, |records| {
                 let mut fresh = records
                     .iter()

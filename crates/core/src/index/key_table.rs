@@ -57,8 +57,9 @@ const PREFETCH_AHEAD: usize = 8;
 
 /// What a pass over `items` asks the CPU to start loading at position `i`: the first
 /// [`PREFETCH_AHEAD`] and the next at the start, then the item [`PREFETCH_AHEAD`] ahead. Each
-/// pass of the index over a batch of keys (a walk, a stored or removed batch) prefetches this
-/// way, so their cache misses overlap instead of queueing (a hint past the end is not given).
+/// pass of the index over a batch of keys (a stored or removed batch; a walk the same way over
+/// keys it draws as it goes) prefetches this way, so their cache misses overlap instead of
+/// queueing (a hint past the end is not given).
 pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
     let end = (i + PREFETCH_AHEAD + 1).min(items.len());
     let start = if i == 0 { 0 } else { i + PREFETCH_AHEAD };
@@ -133,17 +134,43 @@ impl KeyTable {
     /// A long walk probes a random bucket per key: the walk starts loading the buckets of the
     /// key [`PREFETCH_AHEAD`] positions ahead ([`prefetch_run`](Self::prefetch_run)), so the
     /// cache misses of a long match overlap instead of queueing (a prefetch past the walk's end
-    /// only costs the hint).
-    pub fn walk(&self, keys: &[u64], mut visit: impl FnMut(usize, u64) -> bool) {
+    /// only costs the hint). The keys are drawn from the iterator that far ahead too, so a
+    /// caller may produce them as the walk goes (chaining a prompt's keys from its content
+    /// hashes) and still keep the misses overlapped: producing every key first wastes the work
+    /// past the match, and producing them in chunks restarts the look-ahead at each chunk. At
+    /// most [`PREFETCH_AHEAD`] keys are drawn past the one the walk stops at.
+    pub fn walk(
+        &self,
+        keys: impl IntoIterator<Item = u64>,
+        mut visit: impl FnMut(usize, u64) -> bool,
+    ) {
         if self.tags.is_empty() {
             return;
         }
-        for (i, &key) in keys.iter().enumerate() {
-            for &next in ahead(keys, i) {
-                self.prefetch_run(next);
+        // Keys drawn and asked for, not yet probed: positions `probed..drawn`, each at
+        // `position % PENDING` (a power of two, so the index is a mask). As [`ahead`] over a
+        // slice: the first keys at the start, then each step the key `PREFETCH_AHEAD` past the
+        // one it probes.
+        const PENDING: usize = (PREFETCH_AHEAD + 1).next_power_of_two();
+        let mut pending = [0u64; PENDING];
+        let mut keys = keys.into_iter();
+        let mut drawn = 0;
+        let mut draw = |pending: &mut [u64; PENDING], drawn: &mut usize| {
+            if let Some(key) = keys.next() {
+                self.prefetch_run(key);
+                pending[*drawn % PENDING] = key;
+                *drawn += 1;
             }
+        };
+        for _ in 0..PREFETCH_AHEAD {
+            draw(&mut pending, &mut drawn);
+        }
+        let mut probed = 0;
+        while probed < drawn {
+            let key = pending[probed % PENDING];
+            draw(&mut pending, &mut drawn);
             match self.probe(key) {
-                (at, true) if visit(i, self.buckets[at].1) => {}
+                (at, true) if visit(probed, self.buckets[at].1) => probed += 1,
                 _ => return,
             }
         }
@@ -388,6 +415,46 @@ mod tests {
             expected.sort_unstable();
             prop_assert_eq!(entries, expected, "iteration yields exactly the live entries");
         }
+    }
+
+    #[test]
+    fn a_walk_visits_drawn_keys_in_order_and_draws_at_most_the_look_ahead_past_its_stop() {
+        let mut table = KeyTable::default();
+        // Keys 1..=40 are present; the walk over 1..=100 stops at 41, the first absent one.
+        for k in 1..=40u64 {
+            table.insert(k, k * 10);
+        }
+        for stop_early in [None, Some(5), Some(39)] {
+            let mut drawn = 0;
+            let keys = (1..=100u64).inspect(|_| drawn += 1);
+            let mut visited = Vec::new();
+            table.walk(keys, |i, value| {
+                visited.push((i, value));
+                stop_early != Some(i)
+            });
+            let last = stop_early.unwrap_or(39);
+            let expected: Vec<(usize, u64)> =
+                (0..=last).map(|i| (i, (i as u64 + 1) * 10)).collect();
+            assert_eq!(
+                visited, expected,
+                "a walk visits each key's value in order until a key is absent or the visitor stops"
+            );
+            let stopped_at = if stop_early.is_some() { last } else { last + 1 };
+            assert!(
+                drawn <= stopped_at + 1 + PREFETCH_AHEAD,
+                "the walk stopped at position {stopped_at} and drew {drawn} keys: \
+                 at most {PREFETCH_AHEAD} past it"
+            );
+            assert!(
+                drawn >= (stopped_at + 1 + PREFETCH_AHEAD).min(100),
+                "the walk draws {PREFETCH_AHEAD} keys ahead of the one it reads, so their probes \
+                 overlap: it stopped at {stopped_at} having drawn only {drawn}"
+            );
+        }
+        let none = KeyTable::default();
+        none.walk([1u64, 2], |_, _| {
+            panic!("an empty table has nothing to visit")
+        });
     }
 
     #[test]

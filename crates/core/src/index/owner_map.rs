@@ -119,7 +119,11 @@ impl OwnerMap {
 
     /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
     /// owners or `visit` returns false (see [`KeyTable::walk`]).
-    pub fn walk(&self, keys: &[u64], mut visit: impl FnMut(usize, &[Slot]) -> bool) {
+    pub fn walk(
+        &self,
+        keys: impl IntoIterator<Item = u64>,
+        mut visit: impl FnMut(usize, &[Slot]) -> bool,
+    ) {
         self.inline.walk(keys, |i, packed| {
             self.unpacked(packed, |owners| visit(i, owners))
         });

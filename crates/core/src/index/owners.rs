@@ -264,8 +264,15 @@ impl OwnerIndex {
     }
 
     /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
-    /// owners. Owners may repeat a slot (see [`Owners`]).
-    pub fn walk(&self, ns: NsId, keys: &[u64], visit: impl FnMut(usize, &[Slot]) -> bool) {
+    /// owners or `visit` returns false. Owners may repeat a slot (see [`Owners`]). The keys may
+    /// be produced as the walk goes: it draws them a few ahead of the one it reads (see
+    /// [`KeyTable::walk`](super::key_table::KeyTable::walk)).
+    pub fn walk(
+        &self,
+        ns: NsId,
+        keys: impl IntoIterator<Item = u64>,
+        visit: impl FnMut(usize, &[Slot]) -> bool,
+    ) {
         if let Some(blocks) = self.blocks.get(ns as usize) {
             blocks.walk(keys, visit);
         }

@@ -34,15 +34,21 @@ impl Router {
         let Some(ns) = ns else {
             return;
         };
-        state.index.walk(ns, keys, |i, owners| {
+        state.index.walk(ns, keys.iter().copied(), |i, owners| {
             scratch.extend::<DEVICE>(i, owners.iter().copied())
         });
-        state.lower.host.walk(ns, keys, |i, owners| {
-            scratch.extend::<HOST>(i, owners.iter().copied())
-        });
-        state.lower.disk.walk(ns, keys, |i, owners| {
-            scratch.extend::<DISK>(i, owners.iter().copied())
-        });
+        state
+            .lower
+            .host
+            .walk(ns, keys.iter().copied(), |i, owners| {
+                scratch.extend::<HOST>(i, owners.iter().copied())
+            });
+        state
+            .lower
+            .disk
+            .walk(ns, keys.iter().copied(), |i, owners| {
+                scratch.extend::<DISK>(i, owners.iter().copied())
+            });
         state.approx.walk(ns, keys, now, |i, owners| {
             scratch.extend::<APPROX>(i, owners)
         });
@@ -67,7 +73,7 @@ impl Router {
         };
         let depth_of = |tier: &OwnerIndex| {
             let mut depth = 0;
-            tier.walk(ns, keys, |i, owners| {
+            tier.walk(ns, keys.iter().copied(), |i, owners| {
                 let continues = depth as usize == i && owners.contains(&slot);
                 depth += u32::from(continues);
                 continues

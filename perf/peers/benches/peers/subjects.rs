@@ -187,32 +187,20 @@ impl<const KEYS_GIVEN: bool> Subject for Kvrouted<KEYS_GIVEN> {
         self.depth.fill(0);
         let d = &mut self.depth;
         if KEYS_GIVEN {
-            self.index
-                .walk(0, &self.keys, |i, owners| extend_depths(d, i, owners));
+            self.index.walk(0, self.keys.iter().copied(), |i, owners| {
+                extend_depths(d, i, owners)
+            });
         } else {
-            // Chains keys a chunk ahead of the walk and stops at the first block no worker
-            // continues, as the peers stop walking content hashes. Chunks (not key by key)
-            // keep several probes of a long match in flight at once.
-            const CHUNK: usize = 16;
-            self.keys.clear();
-            let mut parent = None;
-            for chunk in locals.chunks(CHUNK) {
-                let start = self.keys.len();
-                for &local in chunk {
-                    let key = chain(parent, local);
-                    self.keys.push(key);
-                    parent = Some(key);
-                }
-                let (mut reached, mut continues) = (0, true);
-                self.index.walk(0, &self.keys[start..], |i, owners| {
-                    reached = i + 1;
-                    continues = extend_depths(d, start + i, owners);
-                    continues
-                });
-                if !continues || reached < chunk.len() {
-                    break;
-                }
-            }
+            // Chains each key as the walk draws it (a few ahead of the one it reads, so a long
+            // match's probes overlap) and stops at the first block no worker continues, as the
+            // peers stop walking content hashes.
+            let keys = locals.iter().scan(None, |parent, &local| {
+                let key = chain(*parent, local);
+                *parent = Some(key);
+                Some(key)
+            });
+            self.index
+                .walk(0, keys, |i, owners| extend_depths(d, i, owners));
         }
         let ns = ns_since(t);
         depth.copy_from_slice(&self.depth);
