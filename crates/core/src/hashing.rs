@@ -58,17 +58,22 @@ pub fn local_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
     tokens.chunks_exact(block_size).map(local_hash).collect()
 }
 
+/// Chains local hashes into keys onto `parent`'s key (`None`: a new chain), lazily: a caller
+/// that stops early (a walk at the first block no worker holds) chains no further.
+pub fn chained(
+    mut parent: Option<u64>,
+    locals: impl IntoIterator<Item = u64>,
+) -> impl Iterator<Item = u64> {
+    locals.into_iter().map(move |local| {
+        let key = chain(parent, local);
+        parent = Some(key);
+        key
+    })
+}
+
 /// Chains local hashes into keys, starting a new chain.
 pub fn chain_locals(locals: impl IntoIterator<Item = u64>) -> Vec<u64> {
-    let mut parent = None;
-    locals
-        .into_iter()
-        .map(|local| {
-            let key = chain(parent, local);
-            parent = Some(key);
-            key
-        })
-        .collect()
+    chained(None, locals).collect()
 }
 
 /// Keys of every full block of `tokens`: what a gateway sends as `block_keys`.

@@ -153,23 +153,19 @@ impl KeyTable {
         // one it probes.
         const PENDING: usize = (PREFETCH_AHEAD + 1).next_power_of_two();
         let mut pending = [0u64; PENDING];
-        let mut keys = keys.into_iter();
-        let mut drawn = 0;
-        let mut draw = |pending: &mut [u64; PENDING], drawn: &mut usize| {
-            if let Some(key) = keys.next() {
+        let mut keys = keys.into_iter().fuse();
+        let (mut drawn, mut probed) = (0, 0);
+        loop {
+            while drawn <= probed + PREFETCH_AHEAD {
+                let Some(key) = keys.next() else { break };
                 self.prefetch_run(key);
-                pending[*drawn % PENDING] = key;
-                *drawn += 1;
+                pending[drawn % PENDING] = key;
+                drawn += 1;
             }
-        };
-        for _ in 0..PREFETCH_AHEAD {
-            draw(&mut pending, &mut drawn);
-        }
-        let mut probed = 0;
-        while probed < drawn {
-            let key = pending[probed % PENDING];
-            draw(&mut pending, &mut drawn);
-            match self.probe(key) {
+            if probed == drawn {
+                return;
+            }
+            match self.probe(pending[probed % PENDING]) {
                 (at, true) if visit(probed, self.buckets[at].1) => probed += 1,
                 _ => return,
             }

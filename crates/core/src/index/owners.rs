@@ -3,7 +3,7 @@
 use super::key_table::{ahead, KeyTable};
 use super::owner_map::OwnerMap;
 use super::{NsId, Slot};
-use crate::hashing::chain;
+use crate::hashing::chained;
 use crate::input::StoredBlock;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -126,7 +126,7 @@ impl OwnerIndex {
         &mut self,
         slot: Slot,
         ns: NsId,
-        mut parent_key: Option<u64>,
+        parent_key: Option<u64>,
         blocks: &[StoredBlock],
     ) -> Option<u64> {
         if blocks.is_empty() {
@@ -135,14 +135,8 @@ impl OwnerIndex {
         // Each key chains on the one before it, so they are computed first: the owner table
         // then starts loading a block's entry a few blocks ahead of its insert, and a batch's
         // cache misses overlap instead of waiting one behind the other.
-        let keys: SmallVec<[u64; 64]> = blocks
-            .iter()
-            .map(|block| {
-                let key = chain(parent_key, block.local);
-                parent_key = Some(key);
-                key
-            })
-            .collect();
+        let keys: SmallVec<[u64; 64]> =
+            chained(parent_key, blocks.iter().map(|block| block.local)).collect();
         let (owners, map) = self.maps_mut(slot, ns);
         let mut added = 0;
         for (i, (block, &key)) in blocks.iter().zip(&keys).enumerate() {
@@ -155,7 +149,7 @@ impl OwnerIndex {
             added += map.store(owners, slot, block.engine_hash, key);
         }
         self.entries = self.entries.wrapping_add_signed(added);
-        parent_key
+        keys.last().copied()
     }
 
     fn engine_map(&self, slot: Slot, ns: NsId) -> Option<&EngineMap> {

@@ -35,8 +35,8 @@
 //! printed). Each index receives its native input, built before the timer starts. kvrouted's
 //! lookups include chaining the content hashes into its block keys as the walk draws them, a
 //! few ahead of the one it reads (what a gateway that sends `tokens` costs it), stopping at the
-//! first block no worker continues, as the peers stop walking content hashes. Result shapes are each API's own:
-//! kvrouted and kv-index write depths into a caller's buffer (`OwnerIndex::walk`,
+//! first block no worker continues, as the peers stop walking content hashes. Result shapes are
+//! each API's own: kvrouted and kv-index write depths into a caller's buffer (`OwnerIndex::walk`,
 //! `ChainIndex::score_into`), dynamo returns a map (`RadixTree::find_matches`), whose drop is
 //! timed too. Memory is the counting allocator's live bytes held by the index after the replay,
 //! per (worker, block) entry resident at the end.

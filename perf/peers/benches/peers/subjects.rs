@@ -4,7 +4,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvrouted::hashing::{chain, chain_locals};
+use kvrouted::hashing::{chain_locals, chained};
 use kvrouted::index::OwnerIndex;
 use kvrouted::input::{
     Input, KvEvent, KvEventBatch, Medium, RouteRequest, Stamped, StoredBlock, WorkerId,
@@ -181,7 +181,7 @@ impl<const KEYS_GIVEN: bool> Subject for Kvrouted<KEYS_GIVEN> {
     fn lookup(&mut self, locals: &[u64], depth: &mut [u32]) -> (u64, Answer) {
         if KEYS_GIVEN {
             self.keys.clear();
-            self.keys.extend(chain_locals(locals.iter().copied()));
+            self.keys.extend(chained(None, locals.iter().copied()));
         }
         let t = now();
         self.depth.fill(0);
@@ -194,13 +194,10 @@ impl<const KEYS_GIVEN: bool> Subject for Kvrouted<KEYS_GIVEN> {
             // Chains each key as the walk draws it (a few ahead of the one it reads, so a long
             // match's probes overlap) and stops at the first block no worker continues, as the
             // peers stop walking content hashes.
-            let keys = locals.iter().scan(None, |parent, &local| {
-                let key = chain(*parent, local);
-                *parent = Some(key);
-                Some(key)
-            });
             self.index
-                .walk(0, keys, |i, owners| extend_depths(d, i, owners));
+                .walk(0, chained(None, locals.iter().copied()), |i, owners| {
+                    extend_depths(d, i, owners)
+                });
         }
         let ns = ns_since(t);
         depth.copy_from_slice(&self.depth);
