@@ -1,7 +1,8 @@
 //! Core benchmarks (issue 2): applying stored events (ns per block), routing a 1,024-block
 //! prompt across 64 workers (ns per decision), routing across 100,000 worker slots (a held
-//! prefix, and a cold miss that draws from the whole fleet), and bytes per (block, owner) index
-//! entry.
+//! prefix, and a cold miss that draws from the whole fleet), routing a prefix all 4,096 workers
+//! hold and a first block 512 of them hold (ns per decision with many owners), and bytes per
+//! (block, owner) index entry.
 //!
 //! Run: `cargo bench --bench core`. The memory figure is printed first, from a counting
 //! allocator, as `index_bytes_per_entry`.
@@ -221,6 +222,42 @@ fn route_shared_prefix(c: &mut Criterion) {
     group.finish();
 }
 
+/// 4,096 workers, each with a load sample; every eighth holds the first block of a 4-block
+/// prompt and nobody the rest: 512 owners at a depth of one (the match threshold of a 4-block
+/// prompt). The common wide decision of a large fleet, a shared first block (a system prompt)
+/// under prompts that part after it: the walk is one key, the rest of the decision lists,
+/// ranks and names 512 owners.
+fn route_shared_first_block(c: &mut Criterion) {
+    const WORKERS: usize = 4096;
+    // Approximate ownership off: each route would record its worker as the approximate owner
+    // of all four blocks, and the next route would hold on it alone.
+    let mut router = Router::new(RouterConfig {
+        approx_ttl_ms: 0,
+        approx_max_records: 1,
+        ..config()
+    });
+    let mut seq = 0;
+    let first = (1u64 << 20) | 1;
+    for w in 0..WORKERS {
+        feed(&mut router, &mut seq, load(w, 0.5));
+        if w % 8 == 0 {
+            let block = StoredBlock {
+                engine_hash: ((w as u64) << 48) | first,
+                local: first,
+            };
+            let batch = KvEventBatch::stored(worker(w), None, vec![block], BLOCK);
+            feed(&mut router, &mut seq, Input::KvEvents(batch));
+        }
+    }
+    let request = request(chain_locals([first, 2, 3, 4]));
+    let mut group = c.benchmark_group("route");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("4_blocks_512_of_4096_hold_the_first", |b| {
+        b.iter_custom(|iters| time_routes(&mut router, &mut seq, &request, iters));
+    });
+    group.finish();
+}
+
 /// The snapshot's copy of the state, taken under the state's lock (routing waits for it): a
 /// router holding 2^20 blocks of one worker, so its owner table and engine map are each
 /// several huge pages.
@@ -244,7 +281,8 @@ criterion_group!(
     copy_state,
     route_long_prompt,
     route_large_fleet,
-    route_shared_prefix
+    route_shared_prefix,
+    route_shared_first_block
 );
 
 fn main() {

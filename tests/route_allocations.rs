@@ -19,7 +19,9 @@ use kvrouted_testkit::counting_alloc::{self, Counting};
 static GLOBAL: Counting = Counting;
 
 const BLOCK: u32 = 16;
-const WORKERS: usize = 64;
+/// More owners than the owner order sorts in place (128): a wide decision's sort keeps its
+/// buffers too.
+const WORKERS: usize = 256;
 const PROMPT_BLOCKS: u64 = 32;
 
 fn worker(i: usize) -> WorkerId {

@@ -18,6 +18,7 @@ use std::collections::BinaryHeap;
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
+use super::route::OwnerOrder;
 use crate::index::Slot;
 use crate::policy::{Fleet, PolicyConfig, Pool, WorkerView};
 use crate::workers::{WorkerState, Workers};
@@ -58,8 +59,8 @@ pub(super) struct RouteBuffers {
     pub(super) excluded: Vec<Slot>,
     /// The policy's views of the route's listed ranks (a wide decision lists hundreds).
     pub(super) views: Vec<WorkerView>,
-    /// The route's owners as packed (id order, view position) keys.
-    pub(super) owner_order: Vec<u64>,
+    /// The route's owners in id order.
+    pub(super) owner_order: OwnerOrder,
 }
 
 /// One rank's depths per tier, valid for the route it names.

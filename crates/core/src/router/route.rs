@@ -333,15 +333,16 @@ impl Router {
         // orders ids (read once per owner, where comparing ids reads two of them per step),
         // packed above the owner's position into one integer, so the sort compares and moves
         // single words. Positions are distinct, so the order is that of a stable sort.
-        owner_order.extend(
+        owner_order.keys.extend(
             choice
                 .known_owners
                 .positions(views)
                 .map(|i| u64::from(views[i].id_order) << 32 | i as u64),
         );
-        sort_packed(owner_order);
-        owner_order.dedup_by_key(|&mut packed| packed >> 32);
+        owner_order.sort();
+        owner_order.keys.dedup_by_key(|&mut packed| packed >> 32);
         let owners: Vec<WorkerId> = owner_order
+            .keys
             .iter()
             .map(|&packed| id_of(views[packed as u32 as usize].slot))
             .collect();
@@ -431,60 +432,94 @@ impl Router {
     }
 }
 
-/// Sorts the packed (id label, position) keys of a decision's owners. A wide decision has
-/// hundreds, in an order unrelated to their ids, and a comparison sort of them mispredicts a
-/// branch at nearly every step. Labels are spread evenly when written afresh, so a counting
-/// pass on the keys' top bits, about two buckets per key, leaves them nearly sorted, and an
-/// insertion pass finishes. Labels crowded together (many ids joined between two neighbours)
-/// leave the buckets unbalanced; when the insertion pass has moved keys eight times their
-/// number, the standard sort takes over, so the worst case stays a comparison sort's. Sorts
-/// in place below 128 keys; above, the keys end up in a new vector of the counting pass.
-fn sort_packed(keys: &mut Vec<u64>) {
-    let n = keys.len();
-    if n < 128 {
-        keys.sort_unstable();
-        return;
-    }
-    // Two buckets per key: fewer keys share one, so fewer are left out of order.
-    let bits = n.next_power_of_two().trailing_zeros() + 1;
-    let shift = 64 - bits;
-    let bucket = |k: u64| (k >> shift) as usize;
-    let mut starts = vec![0u32; (1 << bits) + 1];
-    for &k in keys.iter() {
-        starts[bucket(k) + 1] += 1;
-    }
-    for b in 1..starts.len() {
-        starts[b] += starts[b - 1];
-    }
-    let mut out = vec![0u64; n];
-    for &k in keys.iter() {
-        let b = bucket(k);
-        out[starts[b] as usize] = k;
-        starts[b] += 1;
-    }
-    // The largest key so far is kept at hand: most keys are already in place.
-    let mut moves = 0usize;
-    let mut largest = out[0];
-    for i in 1..n {
-        let k = out[i];
-        if k >= largest {
-            largest = k;
-            continue;
-        }
-        let mut j = i;
-        while j > 0 && out[j - 1] > k {
-            out[j] = out[j - 1];
-            j -= 1;
-        }
-        out[j] = k;
-        moves += i - j;
-        if moves > 8 * n {
-            out.sort_unstable();
-            break;
-        }
-    }
-    *keys = out;
+/// A decision's owners as packed (id label, view position) keys, and the sort that puts them in
+/// id order, with the sort's buffers: kept between routes, so a wide decision allocates none.
+#[derive(Debug, Default)]
+pub(super) struct OwnerOrder {
+    /// The keys: label in the high 32 bits, position in the low.
+    pub(super) keys: Vec<u64>,
+    /// Bucket starts of the counting pass.
+    counts: Vec<u32>,
+    /// The counting pass's output, swapped with `keys` at the end.
+    spare: Vec<u64>,
 }
+
+impl OwnerOrder {
+    pub(super) fn clear(&mut self) {
+        self.keys.clear();
+    }
+
+    /// Sorts the keys. A wide decision has hundreds, in an order unrelated to their ids, and a
+    /// comparison sort of them mispredicts a branch at nearly every step. A counting pass on
+    /// the labels, scaled from the smallest to the largest (a fresh labelling fills the middle
+    /// half of the `u32` range, so scaling the whole range would leave half the buckets empty), about
+    /// [`BUCKETS_PER_KEY`] buckets per key, leaves them nearly sorted, and an insertion pass
+    /// finishes. Labels crowded together (many ids joined between two neighbours) leave the
+    /// buckets unbalanced; when the insertion pass has moved keys eight times their number,
+    /// the standard sort takes over, so the worst case stays a comparison sort's.
+    pub(super) fn sort(&mut self) {
+        let keys = &mut self.keys;
+        let n = keys.len();
+        if n < 128 {
+            keys.sort_unstable();
+            return;
+        }
+        let label = |k: u64| (k >> 32) as u32;
+        let (lowest, highest) = keys.iter().fold((u32::MAX, 0), |(lo, hi), &k| {
+            (lo.min(label(k)), hi.max(label(k)))
+        });
+        // bucket = (label - lowest) * buckets / span, as a multiply and a shift: below
+        // `buckets` for every label up to `highest`, and never smaller for a larger label.
+        // (At most 2^24 buckets, so the scaled labels stay far inside 64 bits.)
+        let buckets = (n * BUCKETS_PER_KEY).next_power_of_two().min(1 << 24);
+        let span = u64::from(highest - lowest) + 1;
+        let scale = ((buckets as u64) << 32) / span;
+        let bucket = |k: u64| ((u64::from(label(k) - lowest) * scale) >> 32) as usize;
+        let counts = &mut self.counts;
+        counts.clear();
+        counts.resize(buckets + 1, 0);
+        for &k in keys.iter() {
+            counts[bucket(k) + 1] += 1;
+        }
+        for b in 1..counts.len() {
+            counts[b] += counts[b - 1];
+        }
+        let out = &mut self.spare;
+        out.clear();
+        out.resize(n, 0);
+        for &k in keys.iter() {
+            let b = bucket(k);
+            out[counts[b] as usize] = k;
+            counts[b] += 1;
+        }
+        // The largest key so far is kept at hand: most keys are already in place.
+        let mut moves = 0usize;
+        let mut largest = out[0];
+        for i in 1..n {
+            let k = out[i];
+            if k >= largest {
+                largest = k;
+                continue;
+            }
+            let mut j = i;
+            while j > 0 && out[j - 1] > k {
+                out[j] = out[j - 1];
+                j -= 1;
+            }
+            out[j] = k;
+            moves += i - j;
+            if moves > 8 * n {
+                out.sort_unstable();
+                break;
+            }
+        }
+        std::mem::swap(keys, out);
+    }
+}
+
+/// Buckets per key of [`OwnerOrder::sort`]'s counting pass: fewer keys share one, so fewer are
+/// left out of order.
+const BUCKETS_PER_KEY: usize = 2;
 
 /// A worker without a declared model serves any model; a request without a model fits any worker.
 fn serves_model(worker_model: &Option<String>, requested: Option<&str>) -> bool {
@@ -552,9 +587,12 @@ mod tests {
     }
 
     #[test]
-    fn packed_owner_keys_come_out_in_order_spread_crowded_or_few() {
+    fn packed_owner_keys_come_out_in_order_spread_crowded_labelled_or_few() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        for n in [0, 1, 5, 127, 128, 300, 512, 4096] {
+        // One order for every sort, as a router keeps it: what one sort leaves in its buffers
+        // must not leak into the next.
+        let mut order = OwnerOrder::default();
+        for n in [0, 1, 5, 127, 128, 300, 512, 4096, 200] {
             let spread: Vec<u64> = (0..n).map(|_| rng.random()).collect();
             // Two labels, positions descending: the buckets hold half the keys each, out of
             // order, so the insertion pass gives up and the standard sort finishes.
@@ -570,17 +608,28 @@ mod tests {
                 })
                 .collect();
             let descending: Vec<u64> = (0..n as u64).rev().map(|i| i << 40).collect();
-            for (form, mut keys) in [
+            // A fresh labelling: labels evenly spaced over the middle half of the range, met in
+            // an order unrelated to them.
+            let middle: Vec<u64> = (0..n as u64)
+                .map(|i| ((1u64 << 30) + (i * 7_919 % n.max(1) as u64) * 100_000) << 32 | i)
+                .collect();
+            // One worker's ranks only: one label, positions descending.
+            let one_label: Vec<u64> = (0..n as u64).map(|i| 9 << 32 | (n as u64 - i)).collect();
+            for (form, keys) in [
                 ("spread", spread),
                 ("crowded", crowded),
                 ("outlier", outlier),
                 ("descending", descending),
+                ("middle", middle),
+                ("one label", one_label),
             ] {
                 let mut expected = keys.clone();
                 expected.sort_unstable();
-                sort_packed(&mut keys);
+                order.clear();
+                order.keys.extend(keys);
+                order.sort();
                 assert_eq!(
-                    keys, expected,
+                    order.keys, expected,
                     "{n} {form} keys are sorted as the standard sort sorts them"
                 );
             }
