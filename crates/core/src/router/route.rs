@@ -10,6 +10,16 @@
 use super::pools::{RouteBuffers, RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST};
 use super::*;
 use crate::replicas::PeerRoute;
+use crate::workers::Worker;
+
+/// A live rank a route views: its slot, its entry and its depths (device or approximate; host;
+/// disk), each read once.
+#[derive(Clone, Copy)]
+struct ListedRank<'a> {
+    slot: Slot,
+    worker: &'a Worker,
+    depths: (u32, u32, u32),
+}
 
 /// A listing of at least this many matched ranks asks for their worker entries ahead of use:
 /// hundreds of owners otherwise wait for their entries one after another. Smaller listings
@@ -93,17 +103,19 @@ impl Router {
     /// profile of a 256-worker decision).
     fn write_view(
         &self,
-        scratch: &RouteScratch,
-        slot: Slot,
+        rank: ListedRank,
         model: Option<&str>,
         excluded: &[Slot],
         now: u64,
         view: &mut WorkerView,
     ) {
-        let w = self.state.workers.get(slot).expect("a live rank");
+        let ListedRank {
+            slot,
+            worker: w,
+            depths: (depth, host_depth, disk_depth),
+        } = rank;
         let policy_config = &self.config.policy;
         let max_age = policy_config.telemetry_max_age_ms;
-        let (depth, host_depth, disk_depth) = scratch.depths(slot);
         view.slot = slot;
         view.id_order = self.state.workers.id_order(slot);
         view.dp_rank = w.dp_rank;
@@ -132,12 +144,20 @@ impl Router {
         &self,
         scratch: &RouteScratch,
         prompt_blocks: usize,
-        push_view: &dyn Fn(Slot, &mut Vec<WorkerView>),
+        push_view: &dyn Fn(ListedRank, &mut Vec<WorkerView>),
         views: &mut Vec<WorkerView>,
     ) {
         let threshold = self.config.policy.match_threshold(prompt_blocks);
-        let live = |slot: Slot| self.state.workers.get(slot).is_some();
         let depth = |slot: Slot| scratch.depths(slot).0;
+        // Each listed rank's depths and entry are read once, here, and handed to its view.
+        let listed = |slot: Slot, depths: (u32, u32, u32)| {
+            let worker = self.state.workers.get(slot)?;
+            Some(ListedRank {
+                slot,
+                worker,
+                depths,
+            })
+        };
         // Levels at or above `listed_from` are listed. Two levels are tried one at a time (a
         // deepest match held only by draining or excluded ranks); past that, the rest at once.
         // The deepest level is known from the walks; only the next one needs a pass.
@@ -158,8 +178,11 @@ impl Router {
                 if let (true, Some(&ahead)) = (prefetch, touched.get(i + WORKERS_AHEAD)) {
                     self.state.workers.prefetch(ahead);
                 }
-                if depth(slot) == level && live(slot) {
-                    push_view(slot, views);
+                let depths = scratch.depths(slot);
+                if depths.0 == level {
+                    if let Some(rank) = listed(slot, depths) {
+                        push_view(rank, views);
+                    }
                 }
             }
             listed_from = level;
@@ -181,12 +204,11 @@ impl Router {
             return;
         }
         for &slot in scratch.touched() {
-            let (d, host, disk) = scratch.depths(slot);
-            if d < listed_from
-                && (host > 0 || disk > 0 || (!owners_found && d >= threshold))
-                && live(slot)
-            {
-                push_view(slot, views);
+            let depths @ (d, host, disk) = scratch.depths(slot);
+            if d < listed_from && (host > 0 || disk > 0 || (!owners_found && d >= threshold)) {
+                if let Some(rank) = listed(slot, depths) {
+                    push_view(rank, views);
+                }
             }
         }
     }
@@ -248,23 +270,27 @@ impl Router {
         // Read-only from here until the route ends: the view function and the fleet borrow it.
         let scratch = &self.scratch;
         let model = req.model.as_deref();
-        let write_view = |slot: Slot, view: &mut WorkerView| {
-            self.write_view(scratch, slot, model, excluded, now, view)
+        let rank_of = |slot: Slot| ListedRank {
+            slot,
+            worker: self.state.workers.get(slot).expect("a live rank"),
+            depths: scratch.depths(slot),
         };
-        let push_view = |slot: Slot, views: &mut Vec<WorkerView>| {
+        let push_listed = |rank: ListedRank, views: &mut Vec<WorkerView>| {
             views.push(WorkerView::default());
-            write_view(slot, views.last_mut().expect("just pushed"));
+            let view = views.last_mut().expect("just pushed");
+            self.write_view(rank, model, excluded, now, view);
         };
+        let push_view = |slot: Slot, views: &mut Vec<WorkerView>| push_listed(rank_of(slot), views);
         let view_of = |slot: Slot| {
             let mut view = WorkerView::default();
-            write_view(slot, &mut view);
+            self.write_view(rank_of(slot), model, excluded, now, &mut view);
             view
         };
         // Pressure-first decides on the matched ranks and the fleet's pools; explain rows and the
         // baselines see every worker.
         let sparse = self.config.policy.kind == PolicyKind::PressureFirst && !req.explain;
         if sparse {
-            self.listed_views(scratch, req.keys.len(), &push_view, views);
+            self.listed_views(scratch, req.keys.len(), &push_listed, views);
             // The provisional owner of the longest match's prefix, which the policy may add to
             // the known owners.
             let deepest = views
@@ -285,8 +311,16 @@ impl Router {
             }
             views.sort_unstable_by_key(|v| v.slot);
         } else {
-            for (slot, _) in self.state.workers.iter() {
-                push_view(slot, views);
+            for (slot, worker) in self.state.workers.iter() {
+                let depths = scratch.depths(slot);
+                push_listed(
+                    ListedRank {
+                        slot,
+                        worker,
+                        depths,
+                    },
+                    views,
+                );
             }
         }
         let fleet = RouteFleet {
