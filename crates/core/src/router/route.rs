@@ -140,13 +140,16 @@ impl Router {
     /// owners, so a prefix the whole fleet shares costs its owners, not its holders. When no
     /// candidate reaches the threshold, every rank that does is listed (step 7 labels by them).
     /// A match short of the threshold without a lower-tier match is never listed.
+    ///
+    /// Returns the owners' depth, the level where candidates were found (every other listed
+    /// rank is shallower or not a candidate), or `None` when no listed level holds one.
     fn listed_views(
         &self,
         scratch: &RouteScratch,
         prompt_blocks: usize,
         push_view: &dyn Fn(ListedRank, &mut Vec<WorkerView>),
         views: &mut Vec<WorkerView>,
-    ) {
+    ) -> Option<u32> {
         let threshold = self.config.policy.match_threshold(prompt_blocks);
         let depth = |slot: Slot| scratch.depths(slot).0;
         // Each listed rank's depths and entry are read once, here, and handed to its view.
@@ -162,12 +165,12 @@ impl Router {
         // deepest match held only by draining or excluded ranks); past that, the rest at once.
         // The deepest level is known from the walks; only the next one needs a pass.
         let mut listed_from = u32::MAX;
+        let mut owners_depth = None;
         let mut level = scratch.deepest_match();
         for attempt in 0..2 {
             if level == 0 || level < threshold {
                 break;
             }
-            let before = views.len();
             // Room for every touched rank in all (and the provisional owner), so the views are
             // written once, whichever levels are listed: growing a vector of hundreds of views
             // costs more than the spare room.
@@ -182,11 +185,15 @@ impl Router {
                 if depths.0 == level {
                     if let Some(rank) = listed(slot, depths) {
                         push_view(rank, views);
+                        // Read back from the view just written: whether the rank can be chosen.
+                        if views.last().is_some_and(|v| v.candidate) {
+                            owners_depth = Some(level);
+                        }
                     }
                 }
             }
             listed_from = level;
-            if attempt == 1 || views[before..].iter().any(|v| v.candidate) {
+            if attempt == 1 || owners_depth.is_some() {
                 break;
             }
             level = scratch
@@ -199,9 +206,9 @@ impl Router {
         }
         // Below the listed levels: lower-tier matches, and the rest of the threshold's when
         // no candidate was found.
-        let owners_found = views.iter().any(|v| v.candidate);
+        let owners_found = owners_depth.is_some();
         if owners_found && !scratch.any_lower_tier() {
-            return;
+            return owners_depth;
         }
         for &slot in scratch.touched() {
             let depths @ (d, host, disk) = scratch.depths(slot);
@@ -211,6 +218,7 @@ impl Router {
                 }
             }
         }
+        owners_depth
     }
 
     /// The namespace a route's effects are recorded under. A route never creates a namespace
@@ -290,15 +298,18 @@ impl Router {
         // baselines see every worker.
         let sparse = self.config.policy.kind == PolicyKind::PressureFirst && !req.explain;
         if sparse {
-            self.listed_views(scratch, req.keys.len(), &push_listed, views);
+            let owners_depth = self.listed_views(scratch, req.keys.len(), &push_listed, views);
             // The provisional owner of the longest match's prefix, which the policy may add to
-            // the known owners.
-            let deepest = views
-                .iter()
-                .filter(|v| v.candidate)
-                .map(|v| v.depth)
-                .max()
-                .unwrap_or(0);
+            // the known owners: the deepest candidate's depth (known from the listing when it
+            // found owners; otherwise a shallower candidate with a lower-tier match may have it).
+            let deepest = owners_depth.unwrap_or_else(|| {
+                views
+                    .iter()
+                    .filter(|v| v.candidate)
+                    .map(|v| v.depth)
+                    .max()
+                    .unwrap_or(0)
+            });
             if let (Some(ns), true) = (ns, deepest > 0) {
                 let prefix = req.keys[deepest as usize - 1];
                 if let Some(p) = self.state.provisional.get(&(ns, prefix)) {
