@@ -214,10 +214,6 @@ impl KeyTable {
         self.find(key).map(|i| self.buckets[i].1)
     }
 
-    pub fn get_mut(&mut self, key: u64) -> Option<&mut u64> {
-        self.find(key).map(|i| &mut self.buckets[i].1)
-    }
-
     /// The value of `key`, inserting `default` first if the key is absent.
     pub fn get_or_insert(&mut self, key: u64, default: u64) -> &mut u64 {
         self.reserve_one();
@@ -246,10 +242,21 @@ impl KeyTable {
         self.len += 1;
     }
 
-    /// Removes `key`; returns its value. The entries after it in its probe run shift back into
-    /// the hole, so every remaining key stays reachable from its home bucket without a marker.
+    /// Removes `key`; returns its value.
     pub fn remove(&mut self, key: u64) -> Option<u64> {
-        let mut hole = self.find(key)?;
+        self.occupied(key).map(Occupied::remove)
+    }
+
+    /// `key`'s bucket, to read, change or empty with one probe; `None` if the key is absent.
+    pub fn occupied(&mut self, key: u64) -> Option<Occupied<'_>> {
+        let at = self.find(key)?;
+        Some(Occupied { table: self, at })
+    }
+
+    /// Empties bucket `hole` and returns its value. The entries after it in its probe run shift
+    /// back into the hole, so every remaining key stays reachable from its home bucket without
+    /// a marker.
+    fn remove_at(&mut self, mut hole: usize) -> u64 {
         let value = self.buckets[hole].1;
         let mask = self.mask();
         let mut i = hole;
@@ -272,7 +279,7 @@ impl KeyTable {
         if self.tags.len() > MIN_BUCKETS && self.len * MIN_LOAD.1 < self.tags.len() * MIN_LOAD.0 {
             self.resize(self.tags.len() / 2);
         }
-        Some(value)
+        value
     }
 
     pub fn len(&self) -> usize {
@@ -308,6 +315,24 @@ impl KeyTable {
                 self.buckets[i] = (key, value);
             }
         }
+    }
+}
+
+/// A held key's bucket ([`KeyTable::occupied`]): its value changed in place, or the key removed,
+/// without probing for it again.
+pub struct Occupied<'a> {
+    table: &'a mut KeyTable,
+    at: usize,
+}
+
+impl Occupied<'_> {
+    pub fn value(&mut self) -> &mut u64 {
+        &mut self.table.buckets[self.at].1
+    }
+
+    /// Removes the key; returns its value.
+    pub fn remove(self) -> u64 {
+        self.table.remove_at(self.at)
     }
 }
 

@@ -71,9 +71,11 @@ impl OwnerMap {
 
     /// Removes one owner entry. False if `slot` was not an owner of `key`.
     pub fn remove(&mut self, key: u64, slot: Slot) -> bool {
-        let Some(packed) = self.inline.get_mut(key) else {
+        // One probe: the last owner's removal empties the bucket it found.
+        let Some(mut entry) = self.inline.occupied(key) else {
             return false;
         };
+        let packed = entry.value();
         match unpack(*packed) {
             (OVERFLOW, at) => {
                 let owners = &mut self.overflow[at as usize];
@@ -88,7 +90,7 @@ impl OwnerMap {
                 true
             }
             (a, EMPTY) if a == slot => {
-                self.inline.remove(key);
+                entry.remove();
                 true
             }
             (a, b) if a == slot => {

@@ -277,7 +277,7 @@ impl Router {
                         report.removed_blocks += dropped.len() as u64;
                         // What the worker no longer holds, the router stops believing from its
                         // own records too.
-                        for (ns, key) in dropped {
+                        for &(ns, key) in dropped {
                             self.state.approx.forget_blocks(ns, [key], slot);
                         }
                     }
