@@ -27,6 +27,7 @@
 //! only in their high or low bits still spread.
 
 use std::fmt;
+use std::mem::MaybeUninit;
 
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
@@ -71,8 +72,9 @@ pub struct KeyTable {
     /// One per bucket: [`FREE`], or a used bucket's tag ([`KeyTable::tag`] of its key). Length
     /// is zero or a power of two.
     tags: TableArray<u8>,
-    /// `(key, value)`, meaningful where the tag is not free.
-    buckets: TableArray<(u64, u64)>,
+    /// `(key, value)`, written where the tag is not free and read only there: a new array is
+    /// left unwritten ([`TableArray::unwritten`]).
+    buckets: TableArray<MaybeUninit<(u64, u64)>>,
     len: usize,
     /// `64 - log2(buckets)`: the hash's top bits pick the bucket.
     shift: u32,
@@ -115,6 +117,24 @@ impl KeyTable {
         (hash(key) >> 24) as u8 | 0x80
     }
 
+    /// The entry of bucket `i`, a used one (its tag not [`FREE`]).
+    #[inline]
+    fn entry(&self, i: usize) -> (u64, u64) {
+        debug_assert_ne!(self.tags[i], FREE, "only a used bucket is read");
+        // SAFETY: a bucket's entry is written whenever its tag is set to a used one (`put`,
+        // `resize`, the backward shift of `remove_at`, which moves a written entry), and only
+        // used buckets are read.
+        unsafe { self.buckets[i].assume_init() }
+    }
+
+    /// The value of bucket `i`, a used one, to change.
+    #[inline]
+    fn value_mut(&mut self, i: usize) -> &mut u64 {
+        debug_assert_ne!(self.tags[i], FREE, "only a used bucket is changed");
+        // SAFETY: as in `entry`.
+        unsafe { &mut self.buckets[i].assume_init_mut().1 }
+    }
+
     /// The bucket holding `key`, or the free bucket that ends its probe run.
     fn probe(&self, key: u64) -> (usize, bool) {
         let (mask, tag) = (self.mask(), Self::tag(key));
@@ -122,7 +142,7 @@ impl KeyTable {
         loop {
             match self.tags[i] {
                 FREE => return (i, false),
-                t if t == tag && self.buckets[i].0 == key => return (i, true),
+                t if t == tag && self.entry(i).0 == key => return (i, true),
                 _ => i = (i + 1) & mask,
             }
         }
@@ -166,7 +186,7 @@ impl KeyTable {
                 return;
             }
             match self.probe(pending[probed % PENDING]) {
-                (at, true) if visit(probed, self.buckets[at].1) => probed += 1,
+                (at, true) if visit(probed, self.entry(at).1) => probed += 1,
                 _ => return,
             }
         }
@@ -211,7 +231,7 @@ impl KeyTable {
     }
 
     pub fn get(&self, key: u64) -> Option<u64> {
-        self.find(key).map(|i| self.buckets[i].1)
+        self.find(key).map(|i| self.entry(i).1)
     }
 
     /// The value of `key`, inserting `default` first if the key is absent.
@@ -221,14 +241,14 @@ impl KeyTable {
         if !found {
             self.put(i, key, default);
         }
-        &mut self.buckets[i].1
+        self.value_mut(i)
     }
 
     /// Sets `key` to `value`; returns the value it replaced.
     pub fn insert(&mut self, key: u64, value: u64) -> Option<u64> {
         self.reserve_one();
         match self.probe(key) {
-            (i, true) => Some(std::mem::replace(&mut self.buckets[i].1, value)),
+            (i, true) => Some(std::mem::replace(self.value_mut(i), value)),
             (i, false) => {
                 self.put(i, key, value);
                 None
@@ -238,7 +258,7 @@ impl KeyTable {
 
     fn put(&mut self, i: usize, key: u64, value: u64) {
         self.tags[i] = Self::tag(key);
-        self.buckets[i] = (key, value);
+        self.buckets[i].write((key, value));
         self.len += 1;
     }
 
@@ -257,7 +277,7 @@ impl KeyTable {
     /// back into the hole, so every remaining key stays reachable from its home bucket without
     /// a marker.
     fn remove_at(&mut self, mut hole: usize) -> u64 {
-        let value = self.buckets[hole].1;
+        let value = self.entry(hole).1;
         let mask = self.mask();
         let mut i = hole;
         loop {
@@ -267,7 +287,7 @@ impl KeyTable {
             }
             // The entry at `i` may fill the hole unless its home lies after the hole (cyclically,
             // in `(hole, i]`): moving it before its home would hide it from its own probe.
-            let home = self.home(self.buckets[i].0);
+            let home = self.home(self.entry(i).0);
             if i.wrapping_sub(home) & mask >= i.wrapping_sub(hole) & mask {
                 self.tags[hole] = self.tags[i];
                 self.buckets[hole] = self.buckets[i];
@@ -290,9 +310,9 @@ impl KeyTable {
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.tags
             .iter()
-            .zip(self.buckets.iter())
-            .filter(|(&t, _)| t != FREE)
-            .map(|(_, &entry)| entry)
+            .enumerate()
+            .filter(|(_, &t)| t != FREE)
+            .map(|(i, _)| self.entry(i))
     }
 
     fn reserve_one(&mut self) {
@@ -306,13 +326,15 @@ impl KeyTable {
         debug_assert!(buckets.is_power_of_two() && self.len * MAX_LOAD.1 <= buckets * MAX_LOAD.0);
         // FREE is zero: a zeroed tag array is all free.
         let old_tags = std::mem::replace(&mut self.tags, TableArray::zeroed(buckets));
-        let old = std::mem::replace(&mut self.buckets, TableArray::zeroed(buckets));
+        let old = std::mem::replace(&mut self.buckets, TableArray::unwritten(buckets));
         self.shift = 64 - buckets.trailing_zeros();
-        for (&tag, &(key, value)) in old_tags.iter().zip(old.iter()) {
+        for (&tag, entry) in old_tags.iter().zip(old.iter()) {
             if tag != FREE {
+                // SAFETY: a used bucket of the old table was written (see `entry`).
+                let (key, value) = unsafe { entry.assume_init() };
                 let (i, _) = self.probe(key);
                 self.tags[i] = tag;
-                self.buckets[i] = (key, value);
+                self.buckets[i].write((key, value));
             }
         }
     }
@@ -327,7 +349,7 @@ pub struct Occupied<'a> {
 
 impl Occupied<'_> {
     pub fn value(&mut self) -> &mut u64 {
-        &mut self.table.buckets[self.at].1
+        self.table.value_mut(self.at)
     }
 
     /// Removes the key; returns its value.

@@ -1,19 +1,21 @@
-//! Zeroed arrays for [`KeyTable`](super::key_table::KeyTable)'s tags and buckets, on huge pages
-//! when they are large.
+//! Arrays for [`KeyTable`](super::key_table::KeyTable)'s tags (zeroed) and buckets (left
+//! unwritten: a bucket is read only where its tag says it was written), on huge pages when they
+//! are large.
 //!
 //! A probe of the owner table lands on a random bucket of tens of megabytes. With the kernel's
 //! 4 KiB pages nearly every such probe also misses the TLB, and the page walk is a cache miss of
 //! its own, which a prefetch hides badly (a prefetch that misses the TLB stalls the core on some
 //! CPUs). An array of at least [`HUGE_PAGE`] bytes is therefore allocated on a huge-page
 //! boundary, marked `MADV_HUGEPAGE` before it is first written (fresh memory then faults in as
-//! 2 MiB pages) and, once zeroed, `MADV_COLLAPSE`d (memory the allocator hands back from
-//! earlier use already has small pages; the collapse replaces them at once instead of waiting
-//! for the kernel's background scan). Both are hints: where the kernel declines (transparent
+//! 2 MiB pages) and, once zeroed (at once, when left unwritten), `MADV_COLLAPSE`d (memory the
+//! allocator hands back from earlier use already has small pages; the collapse replaces them at
+//! once instead of waiting for the kernel's background scan). Both are hints: where the kernel declines (transparent
 //! huge pages off, a kernel before 6.1 for the collapse) or off Linux, the array is the same
 //! memory on small pages.
 //! It is always allocated through the global allocator, so memory figures count it.
 
 use std::alloc::{self, Layout};
+use std::mem::MaybeUninit;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
@@ -30,6 +32,8 @@ pub(super) unsafe trait Zeroable: Copy {}
 unsafe impl Zeroable for u8 {}
 // SAFETY: as above.
 unsafe impl Zeroable for (u64, u64) {}
+// SAFETY: any bytes, zero among them, are a `MaybeUninit`; a `Copy` type has nothing to drop.
+unsafe impl<T: Copy> Zeroable for MaybeUninit<T> {}
 
 /// A fixed-length, zero-initialised array owned like a `Box<[T]>`.
 pub(super) struct TableArray<T: Zeroable> {
@@ -53,12 +57,21 @@ impl<T: Zeroable> TableArray<T> {
 
     /// `len` zeroed elements.
     pub(super) fn zeroed(len: usize) -> Self {
+        Self::new(len, true)
+    }
+
+    /// `len` elements, zeroed when `zero` (otherwise the allocation as it comes, which only a
+    /// `MaybeUninit` element type may be: [`TableArray::unwritten`]).
+    fn new(len: usize, zero: bool) -> Self {
         let Some((raw, layout)) = Self::allocate(len) else {
             return Self::empty();
         };
         advise_if_huge(raw, layout, Advice::HugePages);
-        // SAFETY: `raw` is valid for `layout.size()` bytes; zero is a valid `T` (`Zeroable`).
-        unsafe { raw.as_ptr().cast::<u8>().write_bytes(0, layout.size()) };
+        if zero {
+            // SAFETY: `raw` is valid for `layout.size()` bytes; zero is a valid `T`
+            // (`Zeroable`).
+            unsafe { raw.as_ptr().cast::<u8>().write_bytes(0, layout.size()) };
+        }
         advise_if_huge(raw, layout, Advice::Collapse);
         TableArray { ptr: raw, len }
     }
@@ -90,6 +103,16 @@ impl<T: Zeroable> TableArray<T> {
             align_of::<T>()
         };
         Some(Layout::from_size_align(bytes, align).expect("table layout"))
+    }
+}
+
+impl<T: Copy> TableArray<MaybeUninit<T>> {
+    /// `len` elements not yet written: no zeroing pass. For arrays whose elements are only
+    /// read where something else (a bucket's tag) says they were written. Zeroing a grown
+    /// table's buckets was an eighth of a stored batch's time in the peer benchmark at 1,024
+    /// workers, for bytes nobody reads (docs/performance.md, Round 5, nineteenth part).
+    pub(super) fn unwritten(len: usize) -> Self {
+        Self::new(len, false)
     }
 }
 
@@ -259,6 +282,19 @@ mod tests {
             huge_kib >= 2 * HUGE_PAGE as u64 / 1024,
             "with transparent huge pages `{mode}`, a 4 MiB table array sits on huge pages \
              (its mapping has {huge_kib} KiB of them)"
+        );
+        drop(array);
+        // Left unwritten (on the memory just freed), then written here and there, as a grown
+        // table's buckets are.
+        let mut unwritten = TableArray::<MaybeUninit<(u64, u64)>>::unwritten(4 * HUGE_PAGE / 16);
+        for bucket in unwritten.iter_mut().step_by(256) {
+            bucket.write((1, 1));
+        }
+        let huge_kib = huge_kib_of_mapping_at(unwritten.as_ptr() as usize);
+        assert!(
+            huge_kib >= 4 * HUGE_PAGE as u64 / 1024,
+            "with transparent huge pages `{mode}`, an 8 MiB table array left unwritten, then \
+             written in places, sits on huge pages (its mapping has {huge_kib} KiB of them)"
         );
     }
 }
