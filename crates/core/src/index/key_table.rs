@@ -348,6 +348,7 @@ pub struct Occupied<'a> {
 }
 
 impl Occupied<'_> {
+    /// The key's value, to read or change in place.
     pub fn value(&mut self) -> &mut u64 {
         self.table.value_mut(self.at)
     }

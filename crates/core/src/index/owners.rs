@@ -171,12 +171,13 @@ impl OwnerIndex {
     /// this router); a hash stored more than once loses one store. Returns the (namespace, key)
     /// of every block whose ownership by `slot` ended.
     pub fn remove(&mut self, slot: Slot, engine_hashes: &[u64]) -> &[(NsId, u64)] {
-        self.ended.clear();
+        // The list is the index's own, out of it while the index changes.
+        let mut ended = std::mem::take(&mut self.ended);
+        ended.clear();
         if let Some(maps) = self.workers.get_mut(slot as usize) {
-            let dropped = &mut self.ended;
             // Room for every hash at once: grown block by block, it was reallocated several
             // times per batch (8% of a removal's time in the peer bench at 16 workers).
-            dropped.reserve(engine_hashes.len());
+            ended.reserve(engine_hashes.len());
             for (i, hash) in engine_hashes.iter().enumerate() {
                 // As in `store`: the engine maps' entries are asked for a few hashes ahead.
                 for &next in ahead(engine_hashes, i) {
@@ -193,14 +194,13 @@ impl OwnerIndex {
                         break;
                     }
                     if let Some(key) = map.keys.remove(*hash) {
-                        dropped.push((*ns, key));
+                        ended.push((*ns, key));
                         break;
                     }
                 }
             }
         }
         // As in `store`: the owner table's entries are asked for a few blocks ahead.
-        let ended = std::mem::take(&mut self.ended);
         for (i, &(ns, key)) in ended.iter().enumerate() {
             for &(ns, next) in ahead(&ended, i) {
                 self.prefetch_run(ns, next);

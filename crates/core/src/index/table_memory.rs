@@ -9,9 +9,9 @@
 //! boundary, marked `MADV_HUGEPAGE` before it is first written (fresh memory then faults in as
 //! 2 MiB pages) and, once zeroed (at once, when left unwritten), `MADV_COLLAPSE`d (memory the
 //! allocator hands back from earlier use already has small pages; the collapse replaces them at
-//! once instead of waiting for the kernel's background scan). Both are hints: where the kernel declines (transparent
-//! huge pages off, a kernel before 6.1 for the collapse) or off Linux, the array is the same
-//! memory on small pages.
+//! once instead of waiting for the kernel's background scan). Both are hints: where the kernel
+//! declines (transparent huge pages off, a kernel before 6.1 for the collapse) or off Linux, the
+//! array is the same memory on small pages.
 //! It is always allocated through the global allocator, so memory figures count it.
 
 use std::alloc::{self, Layout};
@@ -28,14 +28,16 @@ const HUGE_PAGE: usize = 2 << 20;
 /// Implementors must be plain data for which every all-zero bit pattern is a valid value.
 pub(super) unsafe trait Zeroable: Copy {}
 
-// SAFETY: integers and tuples of integers: zero is a value, nothing to drop.
+// SAFETY: an integer: zero is a value, nothing to drop.
 unsafe impl Zeroable for u8 {}
-// SAFETY: as above.
+// SAFETY: as above, for a pair of integers (the tests' stand-in for a written bucket array).
+#[cfg(test)]
 unsafe impl Zeroable for (u64, u64) {}
 // SAFETY: any bytes, zero among them, are a `MaybeUninit`; a `Copy` type has nothing to drop.
 unsafe impl<T: Copy> Zeroable for MaybeUninit<T> {}
 
-/// A fixed-length, zero-initialised array owned like a `Box<[T]>`.
+/// A fixed-length array owned like a `Box<[T]>`: zero-initialised, or left unwritten where the
+/// element type is a `MaybeUninit` ([`TableArray::unwritten`]).
 pub(super) struct TableArray<T: Zeroable> {
     ptr: NonNull<T>,
     len: usize,

@@ -502,9 +502,10 @@ impl OwnerOrder {
     /// the labels, scaled from the smallest to the largest (a fresh labelling fills the middle
     /// half of the `u32` range, so scaling the whole range would leave half the buckets
     /// empty), about [`BUCKETS_PER_KEY`] buckets per key, leaves them nearly sorted, and an
-    /// insertion pass finishes. Labels crowded together (many ids joined between two neighbours) leave the
-    /// buckets unbalanced; when the insertion pass has moved keys eight times their number,
-    /// the standard sort takes over, so the worst case stays a comparison sort's.
+    /// insertion pass finishes. Labels crowded together (many ids joined between two
+    /// neighbours) leave the buckets unbalanced; when the insertion pass has moved keys eight
+    /// times their number, the standard sort takes over, so the worst case stays a comparison
+    /// sort's.
     pub(super) fn sort(&mut self) {
         let keys = &mut self.keys;
         let n = keys.len();
