@@ -209,7 +209,13 @@ impl PolicyConfig {
     pub fn ranked_pressure(&self, sample: Option<f64>, prefill_backlog_tokens: u64) -> Option<f64> {
         match (self.kind, self.backlog_pressure_tokens) {
             (PolicyKind::PressureFirst, tokens) if tokens > 0 => {
-                sample.map(|p| p + prefill_backlog_tokens as f64 / tokens as f64)
+                // No backlog adds +0.0, as the division would, without converting and
+                // dividing (a wide decision ranks hundreds of owners, most with none).
+                let backlog = match prefill_backlog_tokens {
+                    0 => 0.0,
+                    b => b as f64 / tokens as f64,
+                };
+                sample.map(|p| p + backlog)
             }
             _ => sample,
         }
@@ -409,6 +415,27 @@ impl KnownOwners {
         (0..workers.len())
             .filter(move |&i| owners.owns_by_depth(&workers[i]))
             .chain(owners.provisional)
+    }
+
+    /// Calls `f` with each known owner, position and view, in the order of [`Self::positions`]
+    /// (the owners by depth in listing order, then the provisional owner). One plain loop over
+    /// the views: the passes a wide decision makes over hundreds of owners cost about half the
+    /// instructions per owner of the same pass through [`Self::positions`]' filter and chain.
+    pub fn for_each<'v>(
+        &self,
+        workers: &'v [WorkerView],
+        mut f: impl FnMut(usize, &'v WorkerView),
+    ) {
+        if self.depth > 0 {
+            for (i, w) in workers.iter().enumerate() {
+                if w.candidate && w.depth == self.depth {
+                    f(i, w);
+                }
+            }
+        }
+        if let Some(i) = self.provisional {
+            f(i, &workers[i]);
+        }
     }
 
     /// Whether there is no known owner (a decision without a longest match).

@@ -15,7 +15,7 @@ use crate::index::Slot;
 use super::{
     best_by, by_pressure, by_reserved_work, deepest_lower_tier, longest_match, no_owner_label,
     positions, power_of_two, Choice, DecisionLabel, Draw, KnownOwners, PolicyConfig, Pool,
-    Positions, RouteView,
+    Positions, RouteView, WorkerView,
 };
 
 pub fn decide(config: &PolicyConfig, view: &RouteView, rng: &mut impl Rng) -> Option<Choice> {
@@ -80,18 +80,29 @@ fn hold_or_spill(
     //    min(best owner pressure + slack, high_water); missing or stale telemetry is never
     //    pressure (telemetry gaps fail open to known owners). Pressure is ranked only within the
     //    owner set.
-    let best = owners
-        .clone()
-        .filter_map(|i| view.workers[i].pressure)
-        .min_by(f64::total_cmp);
+    //    (Two plain passes over the owners, each keeping the first of equals, as `min_by`
+    //    does: a wide decision makes them over hundreds.)
+    let mut best: Option<f64> = None;
+    known_owners.for_each(view.workers, |_, w| {
+        if let Some(p) = w.pressure {
+            if best.is_none_or(|b| p.total_cmp(&b).is_lt()) {
+                best = Some(p);
+            }
+        }
+    });
     let limit = best.map(|best| (best + config.pressure_slack).min(config.high_water));
-    let pressured = |i: usize| match (view.workers[i].pressure, limit) {
+    let pressured = |w: &WorkerView| match (w.pressure, limit) {
         (Some(pressure), Some(limit)) => pressure > limit,
         _ => false,
     };
-    let mut hold_pool = owners.clone().filter(|&i| !pressured(i)).peekable();
-    if hold_pool.peek().is_some() {
-        let worker = best_by(view, hold_pool, by_reserved_work);
+    let mut hold: Option<(usize, &WorkerView)> = None;
+    known_owners.for_each(view.workers, |i, w| {
+        let better = || hold.is_none_or(|(_, h)| by_reserved_work(w, h).is_lt());
+        if !pressured(w) && better() {
+            hold = Some((i, w));
+        }
+    });
+    if let Some((worker, _)) = hold {
         return (listed(worker), DecisionLabel::OwnerHold, None);
     }
     let least_pressured_owner = listed(best_by(view, owners.clone(), by_pressure));

@@ -389,3 +389,67 @@ fn dynamo_cost_breaks_ties_with_the_seeded_rng() {
         "the same seed, the same pick"
     );
 }
+
+#[test]
+fn known_owners_are_visited_once_each_in_listing_order_with_the_provisional_owner_last() {
+    // The owners by depth are the candidates at depth 3 (one at that depth is not a
+    // candidate); a shallower candidate is the provisional owner.
+    let fleet = [
+        w("a", 3, 0.5),
+        w("b", 2, 0.5),
+        w("c", 3, 0.5),
+        w("d", 3, 0.5),
+        w("e", 1, 0.5),
+    ];
+    let mut vs = views(&fleet);
+    vs[2].candidate = false;
+    let owners = KnownOwners {
+        depth: 3,
+        provisional: Some(1),
+    };
+    let mut visited = Vec::new();
+    owners.for_each(&vs, |i, w| {
+        assert_eq!(w.slot, vs[i].slot, "each owner comes with its own view");
+        visited.push(i);
+    });
+    assert_eq!(
+        visited,
+        [0, 3, 1],
+        "candidates at the owners' depth, then the provisional"
+    );
+    assert_eq!(
+        visited,
+        owners.positions(&vs).collect::<Vec<_>>(),
+        "the loop visits what positions lists, in the same order"
+    );
+}
+
+#[test]
+fn an_owner_hold_between_equal_ranks_of_one_worker_takes_the_first_listed() {
+    // Two ranks of one worker share its place in id order; with equal reserved work,
+    // pressure and queue, the one listed first is held (the policy's last tie rule is the
+    // listing order, which the router makes the slot order). Here slot 2 is listed first.
+    let fleet = [w("x", 4, 0.5), w("y", 4, 0.5), w("z", 4, 0.5)];
+    let mut vs = views(&fleet);
+    vs[2].id_order = vs[0].id_order;
+    vs.swap(0, 2);
+    let ks = keys(4);
+    let lookup = |_: u64| None;
+    let view = RouteView {
+        now_ms: 10_000,
+        keys: &ks,
+        prompt_tokens: 4 * BLOCK as u64,
+        block_size: BLOCK,
+        workers: &vs,
+        provisional: &lookup,
+        fleet: None,
+    };
+    let config = PolicyConfig::default();
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let choice = decide(&config, &mut PolicyState::default(), &view, &mut rng).expect("a choice");
+    assert_eq!(choice.label, DecisionLabel::OwnerHold);
+    assert_eq!(
+        choice.slot, 2,
+        "of two equal ranks of the lowest id, the one listed first is held"
+    );
+}

@@ -381,12 +381,11 @@ impl Router {
         // orders ids (read once per owner, where comparing ids reads two of them per step),
         // packed above the owner's position into one integer, so the sort compares and moves
         // single words. Positions are distinct, so the order is that of a stable sort.
-        owner_order.keys.extend(
-            choice
-                .known_owners
-                .positions(views)
-                .map(|i| u64::from(views[i].id_order) << 32 | i as u64),
-        );
+        choice.known_owners.for_each(views, |i, v| {
+            owner_order
+                .keys
+                .push(u64::from(v.id_order) << 32 | i as u64);
+        });
         owner_order.sort();
         owner_order.keys.dedup_by_key(|&mut packed| packed >> 32);
         let owners: Vec<WorkerId> = owner_order
@@ -514,9 +513,12 @@ impl OwnerOrder {
             return;
         }
         let label = |k: u64| (k >> 32) as u32;
-        let (lowest, highest) = keys.iter().fold((u32::MAX, 0), |(lo, hi), &k| {
-            (lo.min(label(k)), hi.max(label(k)))
-        });
+        // The label is the key's high half, so the smallest and largest keys carry the
+        // smallest and largest labels.
+        let (lowest, highest) = keys
+            .iter()
+            .fold((u64::MAX, 0), |(lo, hi), &k| (lo.min(k), hi.max(k)));
+        let (lowest, highest) = (label(lowest), label(highest));
         // bucket = (label - lowest) * buckets / span, as a multiply and a shift: below
         // `buckets` for every label up to `highest`, and never smaller for a larger label.
         // (At most 2^24 buckets, so the scaled labels stay far inside 64 bits.)
@@ -533,9 +535,13 @@ impl OwnerOrder {
         for b in 1..counts.len() {
             counts[b] += counts[b - 1];
         }
+        // Every place of `out` below `n` is written by the counting pass, so what the buffer
+        // held from an earlier route is left as it is rather than zeroed first.
         let out = &mut self.spare;
-        out.clear();
-        out.resize(n, 0);
+        if out.len() < n {
+            out.resize(n, 0);
+        }
+        out.truncate(n);
         for &k in keys.iter() {
             let b = bucket(k);
             out[counts[b] as usize] = k;
