@@ -532,8 +532,12 @@ impl OwnerOrder {
         for &k in keys.iter() {
             counts[bucket(k) + 1] += 1;
         }
-        for b in 1..counts.len() {
-            counts[b] += counts[b - 1];
+        // Each bucket's start: the keys in the buckets below it (a running sum, which reads
+        // each count once and needs no bounds check).
+        let mut below = 0;
+        for count in counts.iter_mut() {
+            below += *count;
+            *count = below;
         }
         // Every place of `out` below `n` is written by the counting pass, so what the buffer
         // held from an earlier route is left as it is rather than zeroed first.
