@@ -426,11 +426,9 @@ impl KnownOwners {
         workers: &'v [WorkerView],
         mut f: impl FnMut(usize, &'v WorkerView),
     ) {
-        if self.depth > 0 {
-            for (i, w) in workers.iter().enumerate() {
-                if w.candidate && w.depth == self.depth {
-                    f(i, w);
-                }
+        for (i, w) in workers.iter().enumerate() {
+            if self.owns_by_depth(w) {
+                f(i, w);
             }
         }
         if let Some(i) = self.provisional {

@@ -84,21 +84,31 @@ fn decide_with(
     provisional: Option<ProvisionalOwner>,
     seed: u64,
 ) -> (String, Choice) {
+    let choice = decide_on(config, &views(workers), prompt_blocks, provisional, seed);
+    (workers[choice.slot as usize].id.to_string(), choice)
+}
+
+/// As [`decide_with`], on views given as they are (listed in their order, whatever their slots).
+fn decide_on(
+    config: &PolicyConfig,
+    vs: &[WorkerView],
+    prompt_blocks: u64,
+    provisional: Option<ProvisionalOwner>,
+    seed: u64,
+) -> Choice {
     let ks = keys(prompt_blocks);
-    let vs = views(workers);
     let lookup = move |_: u64| provisional;
     let view = RouteView {
         now_ms: 10_000,
         keys: &ks,
         prompt_tokens: prompt_blocks * BLOCK as u64,
         block_size: BLOCK,
-        workers: &vs,
+        workers: vs,
         provisional: &lookup,
         fleet: None,
     };
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let choice = decide(config, &mut PolicyState::default(), &view, &mut rng).expect("a choice");
-    (workers[choice.slot as usize].id.to_string(), choice)
+    decide(config, &mut PolicyState::default(), &view, &mut rng).expect("a choice")
 }
 
 fn decided(config: &PolicyConfig, workers: &[W], prompt_blocks: u64) -> (String, DecisionLabel) {
@@ -433,20 +443,7 @@ fn an_owner_hold_between_equal_ranks_of_one_worker_takes_the_first_listed() {
     let mut vs = views(&fleet);
     vs[2].id_order = vs[0].id_order;
     vs.swap(0, 2);
-    let ks = keys(4);
-    let lookup = |_: u64| None;
-    let view = RouteView {
-        now_ms: 10_000,
-        keys: &ks,
-        prompt_tokens: 4 * BLOCK as u64,
-        block_size: BLOCK,
-        workers: &vs,
-        provisional: &lookup,
-        fleet: None,
-    };
-    let config = PolicyConfig::default();
-    let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let choice = decide(&config, &mut PolicyState::default(), &view, &mut rng).expect("a choice");
+    let choice = decide_on(&PolicyConfig::default(), &vs, 4, None, 0);
     assert_eq!(choice.label, DecisionLabel::OwnerHold);
     assert_eq!(
         choice.slot, 2,
