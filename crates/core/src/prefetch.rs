@@ -1,6 +1,5 @@
 //! Asking the CPU to start loading memory a loop will read soon, so that the cache misses of
-//! many reads overlap instead of queueing (the index's probes, a wide decision's worker
-//! entries).
+//! many reads overlap instead of queueing (the index's probes).
 
 /// Starts loading the cache line that holds `addr`. A hint: it reads nothing the program can
 /// see, never faults (any address will do, even one past an allocation), and does nothing on

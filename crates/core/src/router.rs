@@ -383,6 +383,14 @@ impl Router {
         all.dedup();
         all
     }
+
+    /// Asserts that the route rows copy the worker table as of the last route's sync, for every
+    /// rank that has not changed since.
+    #[cfg(test)]
+    pub(crate) fn assert_route_rows_follow_workers(&self) {
+        self.scratch
+            .assert_rows_follow(&self.state.workers, &self.config.policy);
+    }
 }
 
 mod ingest;

@@ -1,14 +1,16 @@
 //! What a route needs besides the index, kept so that its cost follows the matched owners and
 //! the sampled candidates, not the size of the fleet:
 //!
-//! - [`RouteScratch`]: per-rank depths on each tier, reused from route to route; each row names
-//!   the route it was written for, and a row of an earlier route reads as zero, so ending a
-//!   route resets nothing.
+//! - [`RouteScratch`]: one [`RankRow`] per rank, reused from route to route: the rank's depths
+//!   on each tier (each row names the route it was written for, and a row of an earlier route
+//!   reads as zero, so ending a route resets nothing) beside a copy of what the policy reads of
+//!   its worker entry, in one cache line.
 //! - [`Pools`]: the fleet's candidate pools (candidates, cool, safe; docs/architecture.md,
 //!   "Policy") as order-statistic trees over slots, one per model, updated for each rank that
 //!   changed (the worker table notes them) and for each rank whose telemetry went stale. A
 //!   power-of-two draw then finds the k-th member in slot order without a scan, the same member a
-//!   scan of every worker finds, so decisions (and old journals' replays) are unchanged.
+//!   scan of every worker finds, so decisions (and old journals' replays) are unchanged. The
+//!   same updates keep the rows' copies current.
 //!
 //! Neither is part of the router's state: both are rebuilt from it when needed.
 
@@ -21,7 +23,7 @@ use smallvec::SmallVec;
 use super::route::OwnerOrder;
 use crate::index::Slot;
 use crate::policy::{Fleet, PolicyConfig, Pool, WorkerView};
-use crate::workers::{WorkerState, Workers};
+use crate::workers::{Worker, WorkerState, Workers};
 
 /// Tiers a route walks, as columns of [`RouteScratch`].
 pub(super) const DEVICE: usize = 0;
@@ -29,12 +31,14 @@ pub(super) const APPROX: usize = 1;
 pub(super) const HOST: usize = 2;
 pub(super) const DISK: usize = 3;
 
-/// Depths of one route per rank and tier. Invariant between routes: no row carries `route` (the
-/// next route's number; or it is 0, and the next `prepare` clears every row), so every row reads
-/// as zero, and `touched` is empty.
+/// Per-rank rows of one route. Invariants: between routes, no row carries `route` (the next
+/// route's number; or it is 0, and the next `prepare` clears every row's depths), so every
+/// row's depths read as zero, and `touched` is empty; after [`RouteScratch::sync`] at `now`,
+/// the row of every slot of the worker table holds what [`RankRow::refresh`] makes of its
+/// entry at `now`.
 #[derive(Debug, Default)]
 pub(super) struct RouteScratch {
-    depth: Vec<DepthRow>,
+    rows: Vec<RankRow>,
     /// The route the rows are being written for. A row of another route reads as zero, so
     /// ending a route zeroes nothing: a wide decision touches hundreds of rows, and storing
     /// to each of them again cost more than the check on every read.
@@ -63,22 +67,121 @@ pub(super) struct RouteBuffers {
     pub(super) owner_order: OwnerOrder,
 }
 
-/// One rank's depths per tier, valid for the route it names.
-#[derive(Debug, Default, Clone, Copy)]
-struct DepthRow {
+/// One rank as a route reads it, in one cache line: its depths per tier, valid for the route
+/// it names, and a copy of the fields of its worker entry a view is made of. A wide decision
+/// views hundreds of ranks: read from the worker entries, each cost two more cache lines
+/// besides its depths' (and a line of the id labels), while the walk that writes a rank's
+/// depths has already brought this line in.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+#[repr(C, align(64))]
+pub(super) struct RankRow {
     depths: [u32; 4],
     route: u32,
+    /// [`Workers::id_order`] of the rank.
+    pub(super) id_order: u32,
+    pub(super) dp_rank: u32,
+    /// The `waiting` of its load sample (0 without one).
+    pub(super) waiting: u32,
+    pub(super) reserved_requests: u32,
+    /// Its model's class in the pools ([`Classes`]) while it is active, or [`CLASS_PAST_ROW`].
+    class: u16,
+    /// [`LIVE`], [`ACTIVE`], [`PRESSURE`].
+    flags: u8,
+    pub(super) reserved_work: u64,
+    pub(super) reserved_prefill: u64,
+    /// [`PolicyConfig::ranked_pressure`] of the rank at the last sync, when `flags` holds
+    /// [`PRESSURE`].
+    pressure: f64,
+}
+
+/// [`RankRow::flags`]: the slot holds a rank.
+const LIVE: u8 = 1;
+/// The rank is active (not draining).
+const ACTIVE: u8 = 2;
+/// The rank has fresh telemetry, so a ranked pressure.
+const PRESSURE: u8 = 4;
+/// A class number past what a row holds: whether the rank serves a model is then decided on
+/// its worker entry (a fleet would need 65,534 models for it).
+const CLASS_PAST_ROW: u16 = u16::MAX;
+
+impl RankRow {
+    /// Copies what a view reads of `worker` (`None`: the slot is free), with its id label,
+    /// its pools class and its ranked pressure at the time of the sync. The depths stay.
+    fn refresh(
+        &mut self,
+        worker: Option<&Worker>,
+        id_order: u32,
+        class: usize,
+        pressure: Option<f64>,
+    ) {
+        let Some(w) = worker else {
+            self.flags = 0;
+            return;
+        };
+        self.id_order = id_order;
+        self.dp_rank = w.dp_rank;
+        self.waiting = w.waiting();
+        self.reserved_requests = w.reserved_requests;
+        self.class = u16::try_from(class).unwrap_or(CLASS_PAST_ROW);
+        self.flags = LIVE;
+        if w.state == WorkerState::Active {
+            self.flags |= ACTIVE;
+        }
+        if pressure.is_some() {
+            self.flags |= PRESSURE;
+        }
+        self.reserved_work = w.reserved_work;
+        self.reserved_prefill = w.reserved_prefill;
+        self.pressure = pressure.unwrap_or(0.0);
+    }
+
+    pub(super) fn is_live(&self) -> bool {
+        self.flags & LIVE != 0
+    }
+
+    pub(super) fn is_active(&self) -> bool {
+        self.flags & ACTIVE != 0
+    }
+
+    /// The ranked pressure: `None` when the telemetry is missing or stale.
+    pub(super) fn pressure(&self) -> Option<f64> {
+        (self.flags & PRESSURE != 0).then_some(self.pressure)
+    }
+
+    /// Whether the rank serves a request limited to `classes` (an active rank's only);
+    /// `None` when its class is past what the row holds.
+    pub(super) fn serves(&self, classes: Classes) -> Option<bool> {
+        if classes.0 == ALL {
+            return Some(true);
+        }
+        let class = match self.class {
+            CLASS_PAST_ROW => return None,
+            c => usize::from(c),
+        };
+        Some(class == classes.0 || Some(class) == classes.1)
+    }
+
+    /// The depths on each tier, valid for `route`.
+    fn depths(&self, route: u32) -> [u32; 4] {
+        if self.route == route {
+            self.depths
+        } else {
+            [0; 4]
+        }
+    }
 }
 
 impl RouteScratch {
     /// Makes room for `slots` ranks (rows only ever grow).
     pub(super) fn prepare(&mut self, slots: usize) {
-        if self.depth.len() < slots {
-            self.depth.resize(slots, DepthRow::default());
+        if self.rows.len() < slots {
+            self.rows.resize(slots, RankRow::default());
         }
         if self.route == 0 {
             // The first route, or the counter wrapped: no row may claim to be this route's.
-            self.depth.fill(DepthRow::default());
+            for row in &mut self.rows {
+                (row.depths, row.route) = ([0; 4], 0);
+            }
             self.route = 1;
         }
     }
@@ -98,12 +201,12 @@ impl RouteScratch {
         let (route, i) = (self.route, i as u32);
         let mut any = false;
         for slot in owners {
-            let row = &mut self.depth[slot as usize];
+            let row = &mut self.rows[slot as usize];
             if row.route != route {
                 if i == 0 {
                     let mut depths = [0; 4];
                     depths[TIER] = 1;
-                    *row = DepthRow { depths, route };
+                    (row.depths, row.route) = (depths, route);
                     self.touched.push(slot);
                     any = true;
                 }
@@ -132,11 +235,20 @@ impl RouteScratch {
 
     /// The depths of `slot`: (device or approximate, whichever is deeper; host; disk).
     pub(super) fn depths(&self, slot: Slot) -> (u32, u32, u32) {
-        let row = match self.depth.get(slot as usize) {
-            Some(row) if row.route == self.route => row.depths,
-            _ => [0; 4],
-        };
-        (row[DEVICE].max(row[APPROX]), row[HOST], row[DISK])
+        self.rows
+            .get(slot as usize)
+            .map_or((0, 0, 0), |row| self.depths_of(row))
+    }
+
+    /// The depths of a row (as [`RouteScratch::depths`]).
+    pub(super) fn depths_of(&self, row: &RankRow) -> (u32, u32, u32) {
+        let d = row.depths(self.route);
+        (d[DEVICE].max(d[APPROX]), d[HOST], d[DISK])
+    }
+
+    /// The row of `slot`, if it holds a live rank.
+    pub(super) fn row(&self, slot: Slot) -> Option<&RankRow> {
+        self.rows.get(slot as usize).filter(|row| row.is_live())
     }
 
     /// Ranks with a match on some tier.
@@ -161,11 +273,41 @@ impl RouteScratch {
         self.buffers = buffers;
     }
 
-    /// Brings the pools up to date for a route at `now`.
-    pub(super) fn sync_pools(&mut self, workers: &mut Workers, config: &PolicyConfig, now: u64) {
+    /// Brings the pools and the rows' copies of the worker entries up to date for a route at
+    /// `now`.
+    pub(super) fn sync(&mut self, workers: &mut Workers, config: &PolicyConfig, now: u64) {
         workers.take_changed(&mut self.changed);
-        self.pools.sync(workers, config, now, &self.changed);
+        if self.rows.len() < workers.slot_count() {
+            self.rows.resize(workers.slot_count(), RankRow::default());
+        }
+        self.pools
+            .sync(workers, config, now, &self.changed, &mut self.rows);
         self.changed.clear();
+    }
+
+    /// Checks the invariant that [`RouteScratch::sync`] keeps: the row of every slot that has
+    /// not changed since copies its worker entry as a refresh at the time of the sync would.
+    #[cfg(test)]
+    pub(super) fn assert_rows_follow(&self, workers: &Workers, config: &PolicyConfig) {
+        let now = self.pools.last_now;
+        for slot in 0..workers.slot_count() as Slot {
+            if workers.has_changed(slot) {
+                continue;
+            }
+            let mut fresh = self.rows[slot as usize];
+            let worker = workers.get(slot);
+            let class = self.pools.members[slot as usize].class;
+            fresh.refresh(
+                worker,
+                workers.id_order(slot),
+                class,
+                ranked(worker, config, now),
+            );
+            assert_eq!(
+                self.rows[slot as usize], fresh,
+                "the row of slot {slot} copies its worker entry as of the last sync"
+            );
+        }
     }
 }
 
@@ -255,15 +397,24 @@ impl Pools {
         self.built = false;
     }
 
-    fn sync(&mut self, workers: &Workers, config: &PolicyConfig, now: u64, changed: &[Slot]) {
+    /// Recounts the ranks in `changed` and those whose telemetry went stale by `now`, and
+    /// refreshes their rows (`rows` covers every slot of `workers`).
+    fn sync(
+        &mut self,
+        workers: &Workers,
+        config: &PolicyConfig,
+        now: u64,
+        changed: &[Slot],
+        rows: &mut [RankRow],
+    ) {
         // Staleness only ever sets in as time passes; if time went back, recount.
         if !self.built || now < self.last_now {
-            self.rebuild(workers, config, now);
+            self.rebuild(workers, config, now, rows);
             return;
         }
         self.last_now = now;
         for &slot in changed {
-            self.refresh(slot, workers, config, now);
+            self.refresh(slot, workers, config, now, rows);
         }
         while let Some(&Reverse((stale, slot))) = self.stale_at.peek() {
             if stale >= now {
@@ -273,11 +424,17 @@ impl Pools {
             if self.queued[slot as usize] == stale {
                 self.queued[slot as usize] = u64::MAX;
             }
-            self.refresh(slot, workers, config, now);
+            self.refresh(slot, workers, config, now, rows);
         }
     }
 
-    fn rebuild(&mut self, workers: &Workers, config: &PolicyConfig, now: u64) {
+    fn rebuild(
+        &mut self,
+        workers: &Workers,
+        config: &PolicyConfig,
+        now: u64,
+        rows: &mut [RankRow],
+    ) {
         *self = Pools {
             built: true,
             cap: workers.slot_count().next_power_of_two().max(64),
@@ -288,20 +445,42 @@ impl Pools {
         self.members = vec![Member::default(); self.cap];
         self.queued = vec![u64::MAX; self.cap];
         for slot in 0..workers.slot_count() {
-            self.refresh(slot as Slot, workers, config, now);
+            self.refresh(slot as Slot, workers, config, now, rows);
+        }
+        // Rows past the table (kept from a larger one) hold no rank.
+        for row in rows.iter_mut().skip(workers.slot_count()) {
+            row.refresh(None, 0, 0, None);
         }
     }
 
-    /// Recounts one rank from its current state.
-    fn refresh(&mut self, slot: Slot, workers: &Workers, config: &PolicyConfig, now: u64) {
+    /// Recounts one rank from its current state and refreshes its row.
+    fn refresh(
+        &mut self,
+        slot: Slot,
+        workers: &Workers,
+        config: &PolicyConfig,
+        now: u64,
+        rows: &mut [RankRow],
+    ) {
         if slot as usize >= self.cap {
             self.grow(slot as usize + 1);
         }
+        let worker = workers.get(slot);
+        let pressure = ranked(worker, config, now);
+        // Every rank with fresh telemetry is queued to go stale (a draining one too: its row
+        // shows its pressure).
+        if let Some(t) = worker
+            .and_then(|w| w.telemetry)
+            .filter(|_| pressure.is_some())
+        {
+            let stale = t.received_ms.saturating_add(config.telemetry_max_age_ms);
+            if self.queued[slot as usize] != stale {
+                self.queued[slot as usize] = stale;
+                self.stale_at.push(Reverse((stale, slot)));
+            }
+        }
         let mut want = Member::default();
-        if let Some(w) = workers.get(slot).filter(|w| w.state == WorkerState::Active) {
-            let max_age = config.telemetry_max_age_ms;
-            let pressure =
-                config.ranked_pressure(w.fresh_pressure(now, max_age), w.reserved_prefill);
+        if let Some(w) = worker.filter(|w| w.state == WorkerState::Active) {
             want.pools = bit(Pool::Candidates);
             if pressure.is_none_or(|p| p <= config.high_water) {
                 want.pools |= bit(Pool::Cool);
@@ -321,13 +500,10 @@ impl Pools {
                     }
                 },
             };
-            if let Some(t) = w.telemetry.filter(|_| pressure.is_some()) {
-                let stale = t.received_ms.saturating_add(max_age);
-                if self.queued[slot as usize] != stale {
-                    self.queued[slot as usize] = stale;
-                    self.stale_at.push(Reverse((stale, slot)));
-                }
-            }
+        }
+        // A slot past the rows is one past the table: a rank that left, whose row went with it.
+        if let Some(row) = rows.get_mut(slot as usize) {
+            row.refresh(worker, workers.id_order(slot), want.class, pressure);
         }
         let had = self.members[slot as usize];
         if had == want {
@@ -405,6 +581,16 @@ impl Pools {
         }
         pos as Slot
     }
+}
+
+/// The pressure a rank is ranked by at `now` ([`PolicyConfig::ranked_pressure`] of its fresh
+/// telemetry): `None` for a free slot or missing or stale telemetry.
+fn ranked(worker: Option<&Worker>, config: &PolicyConfig, now: u64) -> Option<f64> {
+    let w = worker?;
+    config.ranked_pressure(
+        w.fresh_pressure(now, config.telemetry_max_age_ms),
+        w.reserved_prefill,
+    )
 }
 
 fn pool_index(pool: Pool) -> usize {
@@ -519,6 +705,43 @@ mod tests {
         assert_eq!(scratch.deepest[HOST], 2, "the host walk reached key 2");
     }
 
+    /// An active worker entry of model `m` with `reserved_work` 7.
+    fn worker() -> Worker {
+        serde_json::from_value(serde_json::json!({
+            "id": "w", "dp_rank": 0, "state": "active", "model": "m", "capacity_blocks": null,
+            "block_size": null, "dp_size": null, "telemetry": null, "last_heard_ms": 0,
+            "reserved_work": 7, "reserved_requests": 1, "epoch": null, "retired_epochs": [],
+            "last_seq": null
+        }))
+        .expect("a worker entry")
+    }
+
+    #[test]
+    fn a_row_answers_which_model_its_rank_serves_unless_the_class_is_past_it() {
+        let worker = worker();
+        let mut row = RankRow::default();
+        for (class, request, serves) in [
+            (2, Classes(NO_MODEL, Some(2)), Some(true)),
+            (2, Classes(NO_MODEL, Some(3)), Some(false)),
+            (2, Classes(NO_MODEL, None), Some(false)),
+            (NO_MODEL, Classes(NO_MODEL, Some(3)), Some(true)),
+            (2, Classes(ALL, None), Some(true)),
+            (65_535, Classes(NO_MODEL, Some(2)), None),
+            (70_000, Classes(NO_MODEL, Some(70_000)), None),
+            (70_000, Classes(ALL, None), Some(true)),
+        ] {
+            row.refresh(Some(&worker), 0, class, None);
+            assert_eq!(
+                row.serves(request),
+                serves,
+                "class {class} for {request:?}: a class the row cannot hold is left to the entry"
+            );
+        }
+        assert!(row.is_live() && row.is_active() && row.pressure().is_none());
+        row.refresh(None, 0, 0, Some(0.5));
+        assert!(!row.is_live(), "a free slot's row holds no rank");
+    }
+
     #[test]
     fn a_draw_finds_the_kth_member_in_slot_order_up_to_the_last_slot() {
         let cap = 16;
@@ -573,6 +796,7 @@ mod tests {
         // As if 2^32 - 3 routes that never met rank 1 went by: the counter is about to come
         // back to the number rank 1's row carries.
         scratch.route = u32::MAX;
+        scratch.rows[1].refresh(Some(&worker()), 5, NO_MODEL, Some(0.25));
         for _ in 0..3 {
             walk(&mut scratch, &[&[2]]);
             assert_eq!(
@@ -592,5 +816,11 @@ mod tests {
             );
             scratch.finish(RouteBuffers::default());
         }
+        let row = scratch.rows[1];
+        assert!(
+            row.is_live()
+                && (row.id_order, row.reserved_work, row.pressure()) == (5, 7, Some(0.25)),
+            "clearing the depths at the wrap keeps the rows' copies of the worker entries"
+        );
     }
 }

@@ -7,26 +7,20 @@
 //! views of those ranks only, and power-of-two draws come from the fleet's pools
 //! ([`super::pools`]). Explain rows and the baseline policies still view every worker.
 
-use super::pools::{RouteBuffers, RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST};
+use super::pools::{
+    Classes, RankRow, RouteBuffers, RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST,
+};
 use super::*;
 use crate::replicas::PeerRoute;
-use crate::workers::Worker;
 
-/// A live rank a route views: its slot, its entry and its depths (device or approximate; host;
+/// A live rank a route views: its slot, its row and its depths (device or approximate; host;
 /// disk), each read once.
 #[derive(Clone, Copy)]
 struct ListedRank<'a> {
     slot: Slot,
-    worker: &'a Worker,
+    row: &'a RankRow,
     depths: (u32, u32, u32),
 }
-
-/// A listing of at least this many matched ranks asks for their worker entries ahead of use:
-/// hundreds of owners otherwise wait for their entries one after another. Smaller listings
-/// skip it, as their entries are few and the hints would only take cache room.
-const WIDE_LISTING: usize = 64;
-/// How far ahead of the listing a worker entry is asked for (16 measured a little ahead of 8).
-const WORKERS_AHEAD: usize = 16;
 
 impl Router {
     /// Walks `keys` through device, approximate, host and disk ownership into `scratch`: each
@@ -96,41 +90,44 @@ impl Router {
         }
     }
 
-    /// Writes what the policy knows about one live rank for this request into `view`, field by
-    /// field where it lies: a view built on the stack and copied into the list stalled every
-    /// listed rank (the copy's wide loads read the fields' narrower stores before they reached
-    /// the cache, so store-to-load forwarding failed; a fifth of the route's own time in the
-    /// profile of a 256-worker decision).
+    /// Writes what the policy knows about one live rank for this request into `view`, from
+    /// its row alone, field by field where it lies: a view built on the stack and copied into
+    /// the list stalled every listed rank (the copy's wide loads read the fields' narrower
+    /// stores before they reached the cache, so store-to-load forwarding failed; a fifth of the
+    /// route's own time in the profile of a 256-worker decision).
     fn write_view(
         &self,
         rank: ListedRank,
-        model: Option<&str>,
+        request: (Option<&str>, Classes),
         excluded: &[Slot],
-        now: u64,
         view: &mut WorkerView,
     ) {
         let ListedRank {
             slot,
-            worker: w,
+            row,
             depths: (depth, host_depth, disk_depth),
         } = rank;
-        let policy_config = &self.config.policy;
-        let max_age = policy_config.telemetry_max_age_ms;
+        let (model, classes) = request;
+        // Whether the rank serves the model: from its class, or (a class past the row) from
+        // the model its entry declares.
+        let serves = || {
+            row.serves(classes).unwrap_or_else(|| {
+                let worker = self.state.workers.get(slot).expect("a live rank");
+                serves_model(&worker.model, model)
+            })
+        };
         view.slot = slot;
-        view.id_order = self.state.workers.id_order(slot);
-        view.dp_rank = w.dp_rank;
-        view.candidate = w.state == WorkerState::Active
-            && excluded.binary_search(&slot).is_err()
-            && serves_model(&w.model, model);
+        view.id_order = row.id_order;
+        view.dp_rank = row.dp_rank;
+        view.candidate = row.is_active() && excluded.binary_search(&slot).is_err() && serves();
         view.depth = depth;
         view.host_depth = host_depth;
         view.disk_depth = disk_depth;
-        view.pressure =
-            policy_config.ranked_pressure(w.fresh_pressure(now, max_age), w.reserved_prefill);
-        view.waiting = w.waiting();
-        view.reserved_work = w.reserved_work;
-        view.reserved_requests = w.reserved_requests;
-        view.prefill_backlog_tokens = w.reserved_prefill;
+        view.pressure = row.pressure();
+        view.waiting = row.waiting;
+        view.reserved_work = row.reserved_work;
+        view.reserved_requests = row.reserved_requests;
+        view.prefill_backlog_tokens = row.reserved_prefill;
     }
 
     /// The ranks pressure-first decides on besides the fleet's pools (the provisional owner
@@ -152,16 +149,16 @@ impl Router {
     ) -> Option<u32> {
         let threshold = self.config.policy.match_threshold(prompt_blocks);
         let depth = |slot: Slot| scratch.depths(slot).0;
-        // Each listed rank's depths and entry are read once, here, and handed to its view. (The
-        // same three fields are built by `rank_of` in `route`; one constructor for both made
-        // the listing's view writes a call of their own: +1.8% instructions per decision at
-        // 4,096 workers under callgrind.)
-        let listed = |slot: Slot, depths: (u32, u32, u32)| {
-            let worker = self.state.workers.get(slot)?;
+        // Each listed rank's row is read once, here, and handed to its view with its depths.
+        // (The same three fields are built by `rank_of` in `route`; one constructor for both
+        // made the listing's view writes a call of their own: +1.8% instructions per decision
+        // at 4,096 workers under callgrind.)
+        let listed = |slot: Slot| {
+            let row = scratch.row(slot)?;
             Some(ListedRank {
                 slot,
-                worker,
-                depths,
+                row,
+                depths: scratch.depths_of(row),
             })
         };
         // Levels at or above `listed_from` are listed. Two levels are tried one at a time (a
@@ -179,19 +176,12 @@ impl Router {
             // costs more than the spare room.
             let touched = scratch.touched();
             views.reserve(touched.len() + 1 - views.len());
-            let prefetch = touched.len() >= WIDE_LISTING;
-            for (i, &slot) in touched.iter().enumerate() {
-                if let (true, Some(&ahead)) = (prefetch, touched.get(i + WORKERS_AHEAD)) {
-                    self.state.workers.prefetch(ahead);
-                }
-                let depths = scratch.depths(slot);
-                if depths.0 == level {
-                    if let Some(rank) = listed(slot, depths) {
-                        push_view(rank, views);
-                        // Read back from the view just written: whether the rank can be chosen.
-                        if views.last().is_some_and(|v| v.candidate) {
-                            owners_depth = Some(level);
-                        }
+            for &slot in touched {
+                if let Some(rank) = listed(slot).filter(|rank| rank.depths.0 == level) {
+                    push_view(rank, views);
+                    // Read back from the view just written: whether the rank can be chosen.
+                    if views.last().is_some_and(|v| v.candidate) {
+                        owners_depth = Some(level);
                     }
                 }
             }
@@ -214,11 +204,12 @@ impl Router {
             return owners_depth;
         }
         for &slot in scratch.touched() {
-            let depths @ (d, host, disk) = scratch.depths(slot);
+            let Some(rank) = listed(slot) else {
+                continue;
+            };
+            let (d, host, disk) = rank.depths;
             if d < listed_from && (host > 0 || disk > 0 || (!owners_found && d >= threshold)) {
-                if let Some(rank) = listed(slot, depths) {
-                    push_view(rank, views);
-                }
+                push_view(rank, views);
             }
         }
         owners_depth
@@ -261,7 +252,7 @@ impl Router {
             .get(req.model.as_deref(), req.lora.as_deref());
         let mut policy_state = std::mem::take(&mut self.state.policy);
         self.scratch
-            .sync_pools(&mut self.state.workers, &self.config.policy, now);
+            .sync(&mut self.state.workers, &self.config.policy, now);
         Self::walk_depths(&self.state, &mut self.scratch, ns, &req.keys, now);
         let max_age = self.config.policy.telemetry_max_age_ms;
         let block_size = self.block_size_of(req.model.as_deref());
@@ -281,20 +272,24 @@ impl Router {
         // Read-only from here until the route ends: the view function and the fleet borrow it.
         let scratch = &self.scratch;
         let model = req.model.as_deref();
-        let rank_of = |slot: Slot| ListedRank {
-            slot,
-            worker: self.state.workers.get(slot).expect("a live rank"),
-            depths: scratch.depths(slot),
+        let classes = scratch.pools.classes(model);
+        let rank_of = |slot: Slot| {
+            let row = scratch.row(slot).expect("a live rank");
+            ListedRank {
+                slot,
+                row,
+                depths: scratch.depths_of(row),
+            }
         };
         let push_listed = |rank: ListedRank, views: &mut Vec<WorkerView>| {
             views.push(WorkerView::default());
             let view = views.last_mut().expect("just pushed");
-            self.write_view(rank, model, excluded, now, view);
+            self.write_view(rank, (model, classes), excluded, view);
         };
         let push_view = |slot: Slot, views: &mut Vec<WorkerView>| push_listed(rank_of(slot), views);
         let view_of = |slot: Slot| {
             let mut view = WorkerView::default();
-            self.write_view(rank_of(slot), model, excluded, now, &mut view);
+            self.write_view(rank_of(slot), (model, classes), excluded, &mut view);
             view
         };
         // Pressure-first decides on the matched ranks and the fleet's pools; explain rows and the
@@ -325,21 +320,13 @@ impl Router {
             }
             views.sort_unstable_by_key(|v| v.slot);
         } else {
-            for (slot, worker) in self.state.workers.iter() {
-                let depths = scratch.depths(slot);
-                push_listed(
-                    ListedRank {
-                        slot,
-                        worker,
-                        depths,
-                    },
-                    views,
-                );
+            for (slot, _) in self.state.workers.iter() {
+                push_view(slot, views);
             }
         }
         let fleet = RouteFleet {
             pools: &scratch.pools,
-            classes: scratch.pools.classes(model),
+            classes,
             excluded,
             view: &view_of,
         };

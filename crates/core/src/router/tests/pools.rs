@@ -38,6 +38,7 @@ impl Twins {
     fn route(&mut self, mut req: RouteRequest) {
         req.explain = false;
         let pooled = self.pooled.apply(Input::Route(req.clone()));
+        self.pooled.router.assert_route_rows_follow_workers();
         req.explain = true;
         let mut scanned = self.scanned.apply(Input::Route(req));
         if let Output::Routed(d) = &mut scanned {
