@@ -364,22 +364,11 @@ impl Router {
         // The chosen rank's own depth: a spill to a non-owner reuses nothing.
         let matched_blocks = chosen.depth;
         let held_tokens = u64::from(chosen.depth).saturating_mul(u64::from(block_size));
-        // In id order, each worker once (its ranks share the id): sorted by the number that
-        // orders ids (read once per owner, where comparing ids reads two of them per step),
-        // packed above the owner's position into one integer, so the sort compares and moves
-        // single words. Positions are distinct, so the order is that of a stable sort.
-        choice.known_owners.for_each(views, |i, v| {
-            owner_order
-                .keys
-                .push(u64::from(v.id_order) << 32 | i as u64);
-        });
-        owner_order.sort();
-        owner_order.keys.dedup_by_key(|&mut packed| packed >> 32);
-        let owners: Vec<WorkerId> = owner_order
-            .keys
-            .iter()
-            .map(|&packed| id_of(views[packed as u32 as usize].slot))
-            .collect();
+        // In id order, each worker once (its ranks share the id): see `OwnerOrder`.
+        choice
+            .known_owners
+            .for_each(views, |_, v| owner_order.push(v.id_order, v.slot));
+        let owners: Vec<WorkerId> = owner_order.slots_in_id_order().map(id_of).collect();
         let explain = req.explain.then(|| {
             let match_threshold = self.config.policy.match_threshold(req.keys.len());
             views
@@ -466,12 +455,18 @@ impl Router {
     }
 }
 
-/// A decision's owners as packed (id label, view position) keys, and the sort that puts them in
-/// id order, with the sort's buffers: kept between routes, so a wide decision allocates none.
+/// A decision's owners put in id order, with the sort's buffers: kept between routes, so a wide
+/// decision allocates none. Each owner is its id label (the number that orders ids, read once
+/// per owner, where comparing ids reads two of them per step) packed above its slot into one
+/// integer, so the sort compares and moves single words. Slots are distinct, so the order is
+/// that of a stable sort over the owners in slot order.
 #[derive(Debug, Default)]
 pub(super) struct OwnerOrder {
-    /// The keys: label in the high 32 bits, position in the low.
-    pub(super) keys: Vec<u64>,
+    /// The keys: label in the high 32 bits, slot in the low.
+    keys: Vec<u64>,
+    /// The smallest and largest label pushed since the last clear (the counting pass's range,
+    /// kept as the keys come rather than found by a pass of its own).
+    labels: Option<(u32, u32)>,
     /// Bucket starts of the counting pass.
     counts: Vec<u32>,
     /// The counting pass's output, swapped with `keys` at the end.
@@ -481,6 +476,23 @@ pub(super) struct OwnerOrder {
 impl OwnerOrder {
     pub(super) fn clear(&mut self) {
         self.keys.clear();
+        self.labels = None;
+    }
+
+    /// Adds an owner: its id label ([`Workers::id_order`](crate::workers::Workers::id_order))
+    /// and its slot.
+    pub(super) fn push(&mut self, label: u32, slot: Slot) {
+        self.keys.push(u64::from(label) << 32 | u64::from(slot));
+        let (lowest, highest) = self.labels.unwrap_or((label, label));
+        self.labels = Some((lowest.min(label), highest.max(label)));
+    }
+
+    /// The owners' slots in id order, each worker once: of a worker's ranks (one label), the
+    /// lowest slot.
+    pub(super) fn slots_in_id_order(&mut self) -> impl Iterator<Item = Slot> + '_ {
+        self.sort();
+        self.keys.dedup_by_key(|&mut packed| packed >> 32);
+        self.keys.iter().map(|&packed| packed as u32)
     }
 
     /// Sorts the keys. A wide decision has hundreds, in an order unrelated to their ids, and a
@@ -492,7 +504,7 @@ impl OwnerOrder {
     /// neighbours) leave the buckets unbalanced; when the insertion pass has moved keys eight
     /// times their number, the standard sort takes over, so the worst case stays a comparison
     /// sort's.
-    pub(super) fn sort(&mut self) {
+    fn sort(&mut self) {
         let keys = &mut self.keys;
         let n = keys.len();
         if n < 128 {
@@ -500,12 +512,7 @@ impl OwnerOrder {
             return;
         }
         let label = |k: u64| (k >> 32) as u32;
-        // The label is the key's high half, so the smallest and largest keys carry the
-        // smallest and largest labels.
-        let (lowest, highest) = keys
-            .iter()
-            .fold((u64::MAX, 0), |(lo, hi), &k| (lo.min(k), hi.max(k)));
-        let (lowest, highest) = (label(lowest), label(highest));
+        let (lowest, highest) = self.labels.expect("labels of the keys pushed");
         // bucket = (label - lowest) * buckets / span, as a multiply and a shift: below
         // `buckets` for every label up to `highest`, and never smaller for a larger label.
         // (At most 2^24 buckets, so the scaled labels stay far inside 64 bits.)
@@ -633,6 +640,25 @@ mod tests {
     }
 
     #[test]
+    fn owners_come_out_in_id_order_each_worker_once_at_its_lowest_slot() {
+        let mut order = OwnerOrder::default();
+        for (label, slot) in [(5, 9), (3, 4), (5, 2), (3, 7), (8, 1)] {
+            order.push(label, slot);
+        }
+        assert_eq!(
+            order.slots_in_id_order().collect::<Vec<_>>(),
+            [4, 2, 1],
+            "labels 3, 5, 8 in order; of a worker's ranks (one label) its lowest slot"
+        );
+        order.clear();
+        assert_eq!(
+            order.slots_in_id_order().count(),
+            0,
+            "a cleared order names no owner"
+        );
+    }
+
+    #[test]
     fn packed_owner_keys_come_out_in_order_spread_crowded_labelled_or_few() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         // One order for every sort, as a router keeps it: what one sort leaves in its buffers
@@ -672,7 +698,9 @@ mod tests {
                 let mut expected = keys.clone();
                 expected.sort_unstable();
                 order.clear();
-                order.keys.extend(keys);
+                for &k in &keys {
+                    order.push((k >> 32) as u32, k as u32);
+                }
                 order.sort();
                 assert_eq!(
                     order.keys, expected,
