@@ -151,14 +151,10 @@ impl RankRow {
     /// Whether the rank serves a request limited to `classes` (an active rank's only);
     /// `None` when its class is past what the row holds.
     pub(super) fn serves(&self, classes: Classes) -> Option<bool> {
-        if classes.0 == ALL {
+        if classes.any_model() {
             return Some(true);
         }
-        let class = match self.class {
-            CLASS_PAST_ROW => return None,
-            c => usize::from(c),
-        };
-        Some(class == classes.0 || Some(class) == classes.1)
+        (self.class != CLASS_PAST_ROW).then(|| classes.admits(usize::from(self.class)))
     }
 
     /// The depths on each tier, valid for `route`.
@@ -173,10 +169,15 @@ impl RankRow {
 
 impl RouteScratch {
     /// Makes room for `slots` ranks (rows only ever grow).
-    pub(super) fn prepare(&mut self, slots: usize) {
+    fn cover(&mut self, slots: usize) {
         if self.rows.len() < slots {
             self.rows.resize(slots, RankRow::default());
         }
+    }
+
+    /// Readies the rows for a route over `slots` ranks.
+    pub(super) fn prepare(&mut self, slots: usize) {
+        self.cover(slots);
         if self.route == 0 {
             // The first route, or the counter wrapped: no row may claim to be this route's.
             for row in &mut self.rows {
@@ -277,9 +278,7 @@ impl RouteScratch {
     /// `now`.
     pub(super) fn sync(&mut self, workers: &mut Workers, config: &PolicyConfig, now: u64) {
         workers.take_changed(&mut self.changed);
-        if self.rows.len() < workers.slot_count() {
-            self.rows.resize(workers.slot_count(), RankRow::default());
-        }
+        self.cover(workers.slot_count());
         self.pools
             .sync(workers, config, now, &self.changed, &mut self.rows);
         self.changed.clear();
@@ -352,6 +351,19 @@ pub(super) struct Classes(usize, Option<usize>);
 
 const ALL: usize = 0;
 const NO_MODEL: usize = 1;
+
+impl Classes {
+    /// Whether a request without a model (every class will do).
+    fn any_model(self) -> bool {
+        self.0 == ALL
+    }
+
+    /// Whether a rank of `class` may serve the request: the one rule the pools' members and
+    /// the rows' copies follow.
+    fn admits(self, class: usize) -> bool {
+        self.any_model() || class == self.0 || Some(class) == self.1
+    }
+}
 
 /// One rank's membership: a bit per [`Pool`] and its model class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -549,8 +561,7 @@ impl Pools {
         let Some(m) = self.members.get(slot as usize) else {
             return false;
         };
-        m.pools & bit(pool) != 0
-            && (classes.0 == ALL || m.class == classes.0 || Some(m.class) == classes.1)
+        m.pools & bit(pool) != 0 && classes.admits(m.class)
     }
 
     fn total(&self, pool: Pool, classes: Classes) -> usize {
@@ -705,15 +716,15 @@ mod tests {
         assert_eq!(scratch.deepest[HOST], 2, "the host walk reached key 2");
     }
 
-    /// An active worker entry of model `m` with `reserved_work` 7.
+    /// An active worker entry of model `m` with `reserved_work` 7, as the worker table makes it.
     fn worker() -> Worker {
-        serde_json::from_value(serde_json::json!({
-            "id": "w", "dp_rank": 0, "state": "active", "model": "m", "capacity_blocks": null,
-            "block_size": null, "dp_size": null, "telemetry": null, "last_heard_ms": 0,
-            "reserved_work": 7, "reserved_requests": 1, "epoch": null, "retired_epochs": [],
-            "last_seq": null
-        }))
-        .expect("a worker entry")
+        let mut workers = Workers::default();
+        let id = crate::input::WorkerId::new("w").expect("a worker id");
+        let (slot, _) = workers.touch(&id, 0, 0);
+        let w = workers.get_mut(slot).expect("just joined");
+        w.model = Some("m".to_owned());
+        w.reserved_work = 7;
+        w.clone()
     }
 
     #[test]
