@@ -20,6 +20,7 @@ mod export;
 pub use export::replay_start;
 pub use export::{read_export, write_export, ExportReader};
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -199,13 +200,28 @@ pub struct Journal {
     pending: Arc<Pending>,
 }
 
-/// The run of entries appended since the last one went to sled (see [`RUN_BYTES`]). Every
-/// read and every flush settles it first, so appended entries are visible at once and a flush
-/// makes all of them durable. Its lock is held across the sled insert of a run, so a flush
-/// never finds a run on its way to sled and acks entries that are in neither place.
+/// Runs sealed by appends and not yet stored that make an append store them itself: a caller
+/// that never calls [`Journal::store_sealed`] (a test, a tool) holds at most this many in memory.
+const MAX_SEALED: usize = 8;
+
+/// The entries appended since the last settle, in memory. Every read and every flush settles
+/// them first, so appended entries are visible at once and a flush makes all of them durable.
+///
+/// An append only adds to the open run and, once the run holds [`RUN_BYTES`], seals it: the sled
+/// insert of a sealed run is left to [`Journal::store_sealed`], which the writer calls after
+/// letting go of the state's lock. The insert of a 64 KiB run was a tenth of the daemon's CPU
+/// with 4k-token routes at concurrency 16, and every route waiting for the state's lock waited
+/// for it too (docs/performance.md, Round 5, twenty-second part).
 struct Pending {
     entries: sled::Tree,
     run: Mutex<Run>,
+    /// Sealed runs, oldest first (shared with the insert that reads one while appends go on).
+    sealed: Mutex<VecDeque<Arc<Run>>>,
+    /// Held across every sled insert of runs, by a settle from the sealing of the open run on,
+    /// so a flush never finds a run on its way to sled and acks entries that are in neither place.
+    storing: Mutex<()>,
+    /// Buffers of stored runs, reused by the runs sealed after them.
+    spare: Mutex<Vec<Vec<u8>>>,
 }
 
 #[derive(Default)]
@@ -215,23 +231,72 @@ struct Run {
     bytes: Vec<u8>,
 }
 
+/// Locks a mutex of the journal's pending entries. Entries are encoded before the run's lock is
+/// taken and a sealed run leaves its queue only once sled holds it, so a panic under one (in
+/// sled) leaves whole entries behind.
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 impl Pending {
-    fn lock(&self) -> MutexGuard<'_, Run> {
-        // Entries are encoded before the lock is taken, so a panic under it (in sled) leaves
-        // whole entries behind.
-        self.run
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn new(entries: sled::Tree) -> Self {
+        Pending {
+            entries,
+            run: Mutex::default(),
+            sealed: Mutex::default(),
+            storing: Mutex::default(),
+            spare: Mutex::default(),
+        }
     }
 
-    /// Stores the run under its first sequence number and starts an empty one.
-    fn store(&self, run: &mut Run) -> Result<()> {
-        if !run.bytes.is_empty() {
+    /// Seals the open run (if it holds anything) and opens an empty one.
+    fn seal(&self, run: &mut Run) {
+        if run.bytes.is_empty() {
+            return;
+        }
+        let bytes = locked(&self.spare).pop().unwrap_or_default();
+        let full = std::mem::replace(
+            run,
+            Run {
+                bytes,
+                ..Run::default()
+            },
+        );
+        locked(&self.sealed).push_back(Arc::new(full));
+    }
+
+    fn sealed_count(&self) -> usize {
+        locked(&self.sealed).len()
+    }
+
+    /// Stores every sealed run, oldest first, each under its first sequence number. The caller
+    /// holds `storing`, so only this pops the queue: a run leaves it once sled holds it, and
+    /// one whose insert fails (or panics) stays at the front for the next try.
+    fn store_sealed(&self, _storing: &MutexGuard<'_, ()>) -> Result<()> {
+        loop {
+            let Some(run) = locked(&self.sealed).front().cloned() else {
+                return Ok(());
+            };
             self.entries
                 .insert(run.first_seq.to_be_bytes(), &run.bytes[..])?;
-            run.bytes.clear();
+            locked(&self.sealed).pop_front();
+            if let Ok(Run { mut bytes, .. }) = Arc::try_unwrap(run) {
+                bytes.clear();
+                let mut spare = locked(&self.spare);
+                if spare.len() < 2 {
+                    spare.push(bytes);
+                }
+            }
         }
-        Ok(())
+    }
+
+    /// Seals the open run and stores every sealed one.
+    fn settle(&self) -> Result<()> {
+        let storing = locked(&self.storing);
+        self.seal(&mut locked(&self.run));
+        self.store_sealed(&storing)
     }
 }
 
@@ -239,8 +304,7 @@ impl Drop for Pending {
     /// The last handle's drop stores what is left, as sled keeps what was inserted when its last
     /// handle goes.
     fn drop(&mut self) {
-        let mut run = std::mem::take(&mut *self.lock());
-        if let Err(e) = self.store(&mut run) {
+        if let Err(e) = self.settle() {
             tracing::error!("journal entries appended last were not stored: {e}");
         }
     }
@@ -391,10 +455,7 @@ impl Journal {
         let entries = db.open_tree("journal")?;
         let at_open_upto = last_seq_in(&entries)?;
         Ok(Journal {
-            pending: Arc::new(Pending {
-                entries: entries.clone(),
-                run: Mutex::default(),
-            }),
+            pending: Arc::new(Pending::new(entries.clone())),
             entries,
             snapshots: db.open_tree("snapshots")?,
             db,
@@ -426,31 +487,53 @@ impl Journal {
 
     /// Appends one entry (in memory until the next flush). Returns its encoded size.
     ///
-    /// Entries with consecutive sequence numbers join the pending run, which goes to sled once
-    /// it holds [`RUN_BYTES`]; an entry that does not follow the one before starts a new run.
+    /// Entries with consecutive sequence numbers join the open run, which is sealed once it
+    /// holds [`RUN_BYTES`]; an entry that does not follow the one before starts a new run. A
+    /// sealed run goes to sled at the next [`store_sealed`](Self::store_sealed) or settle (or
+    /// here, past [`MAX_SEALED`] of them).
     pub fn append(&self, seq: u64, entry: &JournalEntry) -> Result<usize> {
         let encoded = encode(entry);
-        let mut run = self.pending.lock();
-        if !run.bytes.is_empty() && seq != run.next_seq {
-            self.pending.store(&mut run)?;
-        }
-        if run.bytes.is_empty() {
-            run.first_seq = seq;
-        }
-        run.bytes.extend_from_slice(&encoded);
-        run.next_seq = seq + 1;
+        let sealed = {
+            let mut run = locked(&self.pending.run);
+            if seq != run.next_seq {
+                self.pending.seal(&mut run);
+            }
+            if run.bytes.is_empty() {
+                run.first_seq = seq;
+            }
+            run.bytes.extend_from_slice(&encoded);
+            run.next_seq = seq + 1;
+            let full = run.bytes.len() >= RUN_BYTES;
+            if full {
+                self.pending.seal(&mut run);
+            }
+            full
+        };
         let len = encoded.len();
         self.bytes.appended.fetch_add(len as u64, Ordering::Relaxed);
-        if run.bytes.len() >= RUN_BYTES {
-            self.pending.store(&mut run)?;
+        if sealed && self.pending.sealed_count() > MAX_SEALED {
+            self.store_sealed()?;
         }
         Ok(len)
     }
 
-    /// Stores the pending run in sled, where reads and flushes find it.
+    /// Stores the runs appends have sealed in sled (see [`Pending`]). Called by whoever appended
+    /// once it holds no lock others wait on; their entries are in memory until then, read and
+    /// flushed like the open run's.
+    pub fn store_sealed(&self) -> Result<()> {
+        let storing = locked(&self.pending.storing);
+        self.pending.store_sealed(&storing)
+    }
+
+    /// Runs sealed and not yet stored, and runs in sled: for tests of who stores them.
+    #[cfg(test)]
+    pub(crate) fn runs_sealed_and_stored(&self) -> (usize, usize) {
+        (self.pending.sealed_count(), self.entries.len())
+    }
+
+    /// Stores the open run and the sealed ones in sled, where reads and flushes find them.
     fn settle(&self) -> Result<()> {
-        let mut run = self.pending.lock();
-        self.pending.store(&mut run)
+        self.pending.settle()
     }
 
     /// Makes every append so far durable.

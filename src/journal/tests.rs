@@ -549,3 +549,63 @@ fn a_dir_of_single_entries_from_schema_2_is_read_and_stamped_as_runs() {
         "once this build writes runs, a version-2 build must refuse the dir"
     );
 }
+
+#[test]
+fn a_full_run_is_sealed_by_the_append_and_stored_by_store_sealed_or_any_read_or_flush() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let written: Vec<JournalEntry> = (1..=60).map(|seq| long_route(seq, 256)).collect();
+    for (seq, entry) in (1..).zip(&written) {
+        journal.append(seq, entry).unwrap();
+    }
+    let sealed = journal.pending.sealed_count();
+    assert!(
+        sealed >= 1,
+        "60 entries of 2.3 KB fill at least one run of {RUN_BYTES} bytes"
+    );
+    assert_eq!(
+        journal.entries.len(),
+        0,
+        "an append inserts nothing into sled: its caller may hold the state's lock"
+    );
+    journal.store_sealed().unwrap();
+    assert_eq!(
+        (journal.entries.len(), journal.pending.sealed_count()),
+        (sealed, 0),
+        "store_sealed inserts every sealed run and leaves the open run in memory"
+    );
+    for seq in 61..=120 {
+        journal.append(seq, &long_route(seq, 256)).unwrap();
+    }
+    assert!(journal.pending.sealed_count() >= 1);
+    journal.flush().unwrap();
+    assert_eq!(
+        journal.pending.sealed_count(),
+        0,
+        "a flush stores the sealed runs before it makes sled durable"
+    );
+    let seqs: Vec<u64> = journal.entries_after(0).map(|e| e.unwrap().0).collect();
+    assert_eq!(
+        seqs,
+        (1..=120).collect::<Vec<_>>(),
+        "every entry is read back once, in order, whichever call stored its run"
+    );
+}
+
+#[test]
+fn appends_that_nobody_stores_keep_at_most_a_few_sealed_runs_in_memory() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    for seq in 1..=600 {
+        journal.append(seq, &long_route(seq, 256)).unwrap();
+        assert!(
+            journal.pending.sealed_count() <= MAX_SEALED,
+            "past {MAX_SEALED} sealed runs an append stores them itself (after entry {seq})"
+        );
+    }
+    assert!(
+        journal.entries.len() > MAX_SEALED,
+        "600 entries of 2.3 KB went to sled in runs without a flush"
+    );
+    assert_eq!(journal.entries_after(0).count(), 600);
+}

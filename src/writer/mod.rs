@@ -106,6 +106,9 @@ pub struct WriterHandle {
     control: mpsc::Sender<Command>,
     /// Where this replica's routes and releases go for its peers (none: it runs alone).
     decisions: Option<DecisionSink>,
+    /// The journal, for storing the runs a gateway input sealed once the state's lock is free.
+    journal: Journal,
+    pending: Arc<PendingAcks>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -202,6 +205,7 @@ impl WriterHandle {
             .shared
             .gateway(move |state| state.apply(input, GATEWAY))
             .await??;
+        store_sealed(&self.journal, &self.pending);
         Ok(applied.output)
     }
 
@@ -310,6 +314,16 @@ pub fn apply_journaled(
     }
 }
 
+/// Stores the journal runs that appends sealed (see [`Journal::store_sealed`]), after the
+/// state's lock is let go: the sled insert of a run does not hold up the inputs waiting for it.
+/// A failed insert is a journal fault, as a failed append is: inputs are refused from then on,
+/// and the flush that would have covered the run fails, so nothing it held is acked.
+fn store_sealed(journal: &Journal, pending: &PendingAcks) {
+    if let Err(e) = journal.store_sealed() {
+        pending.fault().record("store", &e.to_string());
+    }
+}
+
 /// The result of [`apply_journaled`].
 pub struct Applied {
     pub seq: u64,
@@ -382,7 +396,10 @@ pub fn spawn(
         ingest,
         control,
         decisions,
+        journal: journal.clone(),
+        pending: pending.clone(),
     };
+    let store_journal = journal.clone();
     let thread = std::thread::Builder::new()
         .name("kvrouted-writer".into())
         .spawn(move || {
@@ -407,6 +424,7 @@ pub fn spawn(
                         if applied.is_err() {
                             return;
                         }
+                        store_sealed(&store_journal, &pending);
                     }
                     Ok(Some(Command::Ack(ack))) => pending.queue_after_appended(ack),
                     Ok(Some(Command::Shutdown(done))) => break Some(done),
@@ -438,4 +456,59 @@ pub fn spawn(
         })
         .expect("spawn writer thread");
     (handle, thread)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::RouterConfig;
+    use crate::status::JournalFault;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gateway_input_stores_the_run_it_sealed_once_it_lets_go_of_the_state() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let pending = Arc::new(PendingAcks::new(Arc::new(JournalFault::default())));
+        let (writer, thread) = spawn(
+            Router::new(RouterConfig::default()),
+            journal.clone(),
+            Clock::new(0),
+            pending.clone(),
+            WriterSettings {
+                snapshot_interval: Duration::from_secs(3600),
+                journal_max_age: Duration::from_secs(3600),
+                journal_max_bytes: u64::MAX,
+            },
+            None,
+        );
+        // Routes of 256 keys (2.3 KB entries) to an empty fleet: each is journaled, none routed.
+        for i in 0..60u64 {
+            let request = RouteRequest {
+                model: None,
+                lora: None,
+                keys: crate::hashing::chain_locals((0..256).map(|b| i * 1_000 + b)),
+                prompt_tokens: 256 * 16,
+                max_output_tokens: None,
+                exclude: Vec::new(),
+                request_id: None,
+                explain: false,
+            };
+            assert!(matches!(
+                writer.route(request).await,
+                Err(RouteError::NoCandidate)
+            ));
+            assert_eq!(
+                journal.runs_sealed_and_stored().0,
+                0,
+                "a route's answer comes after the run its entry sealed went to sled (route {i})"
+            );
+        }
+        assert!(
+            journal.runs_sealed_and_stored().1 >= 1,
+            "60 entries of 2.3 KB filled a run, stored without a flush"
+        );
+        assert!(pending.fault().reason().is_none(), "no journal fault");
+        writer.shutdown().await;
+        thread.join().unwrap();
+    }
 }
