@@ -442,21 +442,33 @@ fn an_unclean_stop_renews_the_incarnation_and_a_clean_one_keeps_it() {
     );
 }
 
+/// A route of `blocks` keys of its own (keys differ from `seq` to `seq`).
+pub(crate) fn long_request(seq: u64, blocks: u64) -> RouteRequest {
+    RouteRequest {
+        model: None,
+        lora: None,
+        keys: crate::hashing::chain_locals((0..blocks).map(|b| seq * 1_000 + b)),
+        prompt_tokens: blocks * 16,
+        max_output_tokens: None,
+        exclude: Vec::new(),
+        request_id: None,
+        explain: false,
+    }
+}
+
 /// A route entry of `blocks` keys, stamped at `seq` ms.
 fn long_route(seq: u64, blocks: u64) -> JournalEntry {
     JournalEntry {
         at_ms: seq,
-        input: Input::Route(RouteRequest {
-            model: None,
-            lora: None,
-            keys: crate::hashing::chain_locals((0..blocks).map(|b| seq * 1_000 + b)),
-            prompt_tokens: blocks * 16,
-            max_output_tokens: None,
-            exclude: Vec::new(),
-            request_id: None,
-            explain: false,
-        }),
+        input: Input::Route(long_request(seq, blocks)),
         outcome: None,
+    }
+}
+
+/// Appends 256-key route entries (2.3 KB each) under the sequence numbers `seqs`.
+fn append_long_routes(journal: &Journal, seqs: std::ops::RangeInclusive<u64>) {
+    for seq in seqs {
+        journal.append(seq, &long_route(seq, 256)).unwrap();
     }
 }
 
@@ -554,10 +566,7 @@ fn a_dir_of_single_entries_from_schema_2_is_read_and_stamped_as_runs() {
 fn a_full_run_is_sealed_by_the_append_and_stored_by_store_sealed_or_any_read_or_flush() {
     let dir = tempfile::TempDir::new().unwrap();
     let journal = Journal::open(dir.path()).unwrap();
-    let written: Vec<JournalEntry> = (1..=60).map(|seq| long_route(seq, 256)).collect();
-    for (seq, entry) in (1..).zip(&written) {
-        journal.append(seq, entry).unwrap();
-    }
+    append_long_routes(&journal, 1..=60);
     let sealed = journal.pending.sealed_count();
     assert!(
         sealed >= 1,
@@ -574,9 +583,7 @@ fn a_full_run_is_sealed_by_the_append_and_stored_by_store_sealed_or_any_read_or_
         (sealed, 0),
         "store_sealed inserts every sealed run and leaves the open run in memory"
     );
-    for seq in 61..=120 {
-        journal.append(seq, &long_route(seq, 256)).unwrap();
-    }
+    append_long_routes(&journal, 61..=120);
     assert!(journal.pending.sealed_count() >= 1);
     journal.flush().unwrap();
     assert_eq!(

@@ -458,43 +458,44 @@ pub fn spawn(
     (handle, thread)
 }
 
+/// A writer over `journal` with a new router, as the daemon starts one, snapshotting every
+/// `snapshot_interval` and keeping the journal (no retention due).
+#[cfg(test)]
+pub(crate) fn spawn_for_test(
+    journal: &Journal,
+    pending: Arc<PendingAcks>,
+    snapshot_interval: Duration,
+) -> (WriterHandle, std::thread::JoinHandle<()>) {
+    let year = Duration::from_secs(365 * 24 * 3600);
+    spawn(
+        Router::new(crate::router::RouterConfig::default()),
+        journal.clone(),
+        Clock::new(0),
+        pending,
+        WriterSettings {
+            snapshot_interval,
+            journal_max_age: year,
+            journal_max_bytes: u64::MAX,
+        },
+        None,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router::RouterConfig;
-    use crate::status::JournalFault;
+    use crate::journal::tests::long_request;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_gateway_input_stores_the_run_it_sealed_once_it_lets_go_of_the_state() {
         let dir = tempfile::TempDir::new().unwrap();
         let journal = Journal::open(dir.path()).unwrap();
-        let pending = Arc::new(PendingAcks::new(Arc::new(JournalFault::default())));
-        let (writer, thread) = spawn(
-            Router::new(RouterConfig::default()),
-            journal.clone(),
-            Clock::new(0),
-            pending.clone(),
-            WriterSettings {
-                snapshot_interval: Duration::from_secs(3600),
-                journal_max_age: Duration::from_secs(3600),
-                journal_max_bytes: u64::MAX,
-            },
-            None,
-        );
+        let pending = Arc::new(PendingAcks::default());
+        let (writer, thread) = spawn_for_test(&journal, pending.clone(), Duration::from_secs(3600));
         // Routes of 256 keys (2.3 KB entries) to an empty fleet: each is journaled, none routed.
         for i in 0..60u64 {
-            let request = RouteRequest {
-                model: None,
-                lora: None,
-                keys: crate::hashing::chain_locals((0..256).map(|b| i * 1_000 + b)),
-                prompt_tokens: 256 * 16,
-                max_output_tokens: None,
-                exclude: Vec::new(),
-                request_id: None,
-                explain: false,
-            };
             assert!(matches!(
-                writer.route(request).await,
+                writer.route(long_request(i, 256)).await,
                 Err(RouteError::NoCandidate)
             ));
             assert_eq!(

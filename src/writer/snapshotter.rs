@@ -154,25 +154,17 @@ mod tests {
     use crate::input::Input;
     use crate::journal::tests::traffic;
     use crate::replay::replay;
-    use crate::router::{RouterConfig, RouterState};
-    use crate::writer::{spawn, PendingAcks, RouteError};
+    use crate::router::RouterState;
+    use crate::writer::{spawn_for_test, PendingAcks, RouteError};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_snapshot_is_consistent_with_the_journal_sequence_it_names() {
         let dir = tempfile::TempDir::new().unwrap();
         let journal = Journal::open(dir.path()).unwrap();
-        let year = Duration::from_secs(365 * 24 * 3600);
-        let (writer, thread) = spawn(
-            Router::new(RouterConfig::default()),
-            journal.clone(),
-            Clock::new(0),
+        let (writer, thread) = spawn_for_test(
+            &journal,
             Arc::new(PendingAcks::default()),
-            WriterSettings {
-                snapshot_interval: Duration::from_millis(1),
-                journal_max_age: year,
-                journal_max_bytes: u64::MAX,
-            },
-            None,
+            Duration::from_millis(1),
         );
         // Routes and ingest race with periodic snapshots; keep one taken mid-stream.
         let mut taken = None;
