@@ -49,7 +49,7 @@ fn unpack(value: u64) -> Packed {
 }
 
 /// One namespace's records: block key → (slot, expiry) per worker recorded on it.
-#[derive(Default, Clone)]
+#[derive(Default)]
 struct ApproxMap {
     table: KeyTable,
     /// Records of blocks with more than one (or one that does not pack).
@@ -67,6 +67,21 @@ fn value_of(slab: &mut Slab<Records>, records: Records) -> u64 {
 /// The value [`ApproxMap::upsert`] inserts for a new key before filling it in: a slab index no
 /// slab reaches.
 const NEW: u64 = u64::MAX;
+
+impl Clone for ApproxMap {
+    fn clone(&self) -> Self {
+        ApproxMap {
+            table: self.table.clone(),
+            slab: self.slab.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        let ApproxMap { table, slab } = source;
+        self.table.clone_from(table);
+        self.slab.clone_from(slab);
+    }
+}
 
 impl ApproxMap {
     fn with_records<R>(&self, value: u64, f: impl FnOnce(&[(Slot, u64)]) -> R) -> R {
@@ -175,7 +190,7 @@ impl<'de> Deserialize<'de> for ApproxMap {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct ApproxIndex {
     blocks: Vec<ApproxMap>,
     /// One entry per record, in the order records were made, with the expiry each was queued
@@ -190,6 +205,28 @@ pub struct ApproxIndex {
     /// never counts it, as it counts only records still fresh.
     queue: VecDeque<(u64, NsId, u64, Slot)>,
     max_records: usize,
+}
+
+impl Clone for ApproxIndex {
+    fn clone(&self) -> Self {
+        ApproxIndex {
+            blocks: self.blocks.clone(),
+            queue: self.queue.clone(),
+            max_records: self.max_records,
+        }
+    }
+
+    /// Writes over this index's memory where it has room (the snapshot's kept copy).
+    fn clone_from(&mut self, source: &Self) {
+        let ApproxIndex {
+            blocks,
+            queue,
+            max_records,
+        } = source;
+        self.blocks.clone_from(blocks);
+        self.queue.clone_from(queue);
+        self.max_records = *max_records;
+    }
 }
 
 impl ApproxIndex {

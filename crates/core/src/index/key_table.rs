@@ -67,7 +67,6 @@ pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
     &items[start.min(end)..end]
 }
 
-#[derive(Clone)]
 pub struct KeyTable {
     /// One per bucket: [`FREE`], or a used bucket's tag ([`KeyTable::tag`] of its key). Length
     /// is zero or a power of two.
@@ -78,6 +77,31 @@ pub struct KeyTable {
     len: usize,
     /// `64 - log2(buckets)`: the hash's top bits pick the bucket.
     shift: u32,
+}
+
+impl Clone for KeyTable {
+    fn clone(&self) -> Self {
+        KeyTable {
+            tags: self.tags.clone(),
+            buckets: self.buckets.clone(),
+            len: self.len,
+            shift: self.shift,
+        }
+    }
+
+    /// Writes over this table's arrays where they have the source's size ([`TableArray`]'s
+    /// `clone_from`): the snapshot's kept copy.
+    fn clone_from(&mut self, source: &Self) {
+        let KeyTable {
+            tags,
+            buckets,
+            len,
+            shift,
+        } = source;
+        self.tags.clone_from(tags);
+        self.buckets.clone_from(buckets);
+        (self.len, self.shift) = (*len, *shift);
+    }
 }
 
 impl Default for KeyTable {

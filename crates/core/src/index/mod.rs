@@ -121,10 +121,25 @@ impl Namespaces {
 /// Lower-tier ownership from KV events whose `medium` is not the device: blocks a worker rank
 /// keeps in host memory or on disk. Reloading them beats a prefill, so a policy may prefer
 /// such a rank, but they are never device ownership.
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct LowerTiers {
     pub host: OwnerIndex,
     pub disk: OwnerIndex,
+}
+
+impl Clone for LowerTiers {
+    fn clone(&self) -> Self {
+        LowerTiers {
+            host: self.host.clone(),
+            disk: self.disk.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        let LowerTiers { host, disk } = source;
+        self.host.clone_from(host);
+        self.disk.clone_from(disk);
+    }
 }
 
 impl LowerTiers {

@@ -39,11 +39,27 @@ type Overflow = SmallVec<[Slot; 4]>;
 
 /// A multiset of owner slots per block key: a slot may appear more than once (one entry per
 /// engine hash of that worker mapping to the block).
-#[derive(Default, Clone)]
+#[derive(Default)]
 pub struct OwnerMap {
     inline: KeyTable,
     /// Owner lists of blocks with more than two entries.
     overflow: Slab<Overflow>,
+}
+
+impl Clone for OwnerMap {
+    fn clone(&self) -> Self {
+        OwnerMap {
+            inline: self.inline.clone(),
+            overflow: self.overflow.clone(),
+        }
+    }
+
+    /// Writes over this map's memory where it has room (the snapshot's kept copy).
+    fn clone_from(&mut self, source: &Self) {
+        let OwnerMap { inline, overflow } = source;
+        self.inline.clone_from(inline);
+        self.overflow.clone_from(overflow);
+    }
 }
 
 impl OwnerMap {

@@ -14,13 +14,28 @@ use smallvec::SmallVec;
 /// [`KeyTable`], as the owner map is, so a stored or removed batch asks for its entries a few
 /// blocks ahead (hashbrown cannot be asked) and churn leaves no tombstones; it is written as
 /// the map it replaced.
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 struct EngineMap {
     keys: KeyTable,
     /// Engine hashes stored more than once (two physical copies, or a publisher that reports
     /// every store again): the stores beyond the first, each needing its own removal. Kept
     /// apart so the common single store costs nothing extra.
     extra_stores: FxHashMap<u64, u32>,
+}
+
+impl Clone for EngineMap {
+    fn clone(&self) -> Self {
+        EngineMap {
+            keys: self.keys.clone(),
+            extra_stores: self.extra_stores.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        let EngineMap { keys, extra_stores } = source;
+        self.keys.clone_from(keys);
+        self.extra_stores.clone_from(extra_stores);
+    }
 }
 
 impl EngineMap {
@@ -54,7 +69,7 @@ impl EngineMap {
 ///
 /// Invariant: `slot ∈ blocks[ns][key]` exactly as many times as `workers[slot]` maps an engine
 /// hash of `ns` to `key`.
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct OwnerIndex {
     /// Per namespace: block key → owner slots. A slot appears once per engine hash of that
     /// worker rank mapping to the block, so a rank that stored the same content under two engine
@@ -68,6 +83,44 @@ pub struct OwnerIndex {
     /// allocates nothing once it has seen its largest batch.
     #[serde(skip)]
     ended: Vec<(NsId, u64)>,
+}
+
+impl Clone for OwnerIndex {
+    fn clone(&self) -> Self {
+        OwnerIndex {
+            blocks: self.blocks.clone(),
+            workers: self.workers.clone(),
+            entries: self.entries,
+            ended: Vec::new(),
+        }
+    }
+
+    /// Writes over this index's tables where they have the source's size, so the snapshot's
+    /// copy kept from the last snapshot is refreshed without new memory (see
+    /// `RouterState::clone_from`). The removal scratch (`ended`) is not state.
+    fn clone_from(&mut self, source: &Self) {
+        let OwnerIndex {
+            blocks,
+            workers,
+            entries,
+            ended: _,
+        } = source;
+        self.blocks.clone_from(blocks);
+        // Element by element: a tuple's `clone_from` would clone the engine map anew.
+        self.workers.truncate(workers.len());
+        let kept = self.workers.len();
+        for (mine, theirs) in self.workers.iter_mut().zip(workers) {
+            mine.truncate(theirs.len());
+            let common = mine.len();
+            for ((ns, map), (their_ns, their_map)) in mine.iter_mut().zip(theirs) {
+                *ns = *their_ns;
+                map.clone_from(their_map);
+            }
+            mine.extend_from_slice(&theirs[common..]);
+        }
+        self.workers.extend_from_slice(&workers[kept..]);
+        self.entries = *entries;
+    }
 }
 
 /// Sizes of the index, for metrics.

@@ -7,11 +7,27 @@
 
 use std::ops::{Index, IndexMut};
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Slab<T> {
     entries: Vec<T>,
     /// Indexes of released entries, reused first.
     free: Vec<usize>,
+}
+
+impl<T: Clone> Clone for Slab<T> {
+    fn clone(&self) -> Self {
+        Slab {
+            entries: self.entries.clone(),
+            free: self.free.clone(),
+        }
+    }
+
+    /// Reuses this slab's vectors, and each entry's own memory where it has room.
+    fn clone_from(&mut self, source: &Self) {
+        let Slab { entries, free } = source;
+        self.entries.clone_from(entries);
+        self.free.clone_from(free);
+    }
 }
 
 impl<T> Default for Slab<T> {
