@@ -12,6 +12,9 @@
 //!    that keep the index near 1M blocks, load samples, routes). The journal is closed and
 //!    recovered exactly as `kvrouted serve` does: `Journal::open` + `latest_snapshot` +
 //!    `replay` of the entries after it. The recovered index is checked against the original.
+//!    Then periodic snapshots of the state after the tail, 500 ms apart, alternated: copied into
+//!    fresh memory and dropped once encoded, or copied into the one kept from before
+//!    (`Snapshot::retake`), as the writer takes every snapshot after its first.
 //! 4. **Route entries of 4,096-token prompts**: 100,000 routes of 256 block keys appended through
 //!    `Journal::append` on a fresh data dir while the flusher runs, reported as wall time and as
 //!    the CPU of the whole process per entry (sled's own threads included: they do much of its
@@ -61,6 +64,9 @@ const FLUSH_EVERY: Duration = Duration::from_millis(10);
 /// Route entries appended in phase 5, and how often the resident memory is read.
 const GROWTH_ROUTES: u64 = 400_000;
 const GROWTH_STEP: u64 = 100_000;
+/// Periodic snapshots timed each way in phase 3c, and the pause before each.
+const SNAPSHOT_ROUNDS: usize = 4;
+const SNAPSHOT_GAP: Duration = Duration::from_millis(500);
 
 /// The daemon's allocator: sled's memory and allocation costs depend on it.
 #[global_allocator]
@@ -465,7 +471,8 @@ fn main() {
     let snapshot_bytes = journal.write_snapshot(&snapshot).expect("snapshot");
     let snapshot_write = started.elapsed();
     let snapshot_seq = snapshot.seq;
-    drop(snapshot);
+    // Kept, as the writer keeps it, for the next snapshot to be copied into (3c).
+    let kept = snapshot;
 
     // 3b. The tail: steady-state traffic. Per 10 entries: 3.5 stored + 3.5 evicted batches,
     // 2 load samples, 1 route.
@@ -492,6 +499,29 @@ fn main() {
     let tail_time = started.elapsed();
     flusher.stop();
     let tail_disk = journal.size_on_disk().unwrap() - disk_before_tail;
+    // 3c. Periodic snapshots of that state, as the writer takes them: each copy encoded (the
+    // snapshot thread's work, here into memory), then dropped (as every copy was before the
+    // writer kept one) or kept for the next copy to be made in (`Snapshot::retake`), with a
+    // pause between snapshots in which the allocator may hand freed memory back. The two
+    // alternate; the writer's pause is the copy.
+    let (mut fresh_copies, mut kept_copies) = (Vec::new(), Vec::new());
+    let mut kept = Some(kept);
+    for round in 0..2 * SNAPSHOT_ROUNDS {
+        std::thread::sleep(SNAPSHOT_GAP);
+        let started = Instant::now();
+        if round % 2 == 0 {
+            let copy = Snapshot::of(&router, clock.now());
+            fresh_copies.push(started.elapsed().as_secs_f64() * 1e3);
+            std::hint::black_box(rmp_serde::to_vec(&copy).expect("encode"));
+        } else {
+            let mut copy = kept.take().expect("the kept copy");
+            copy.retake(&router, clock.now());
+            kept_copies.push(started.elapsed().as_secs_f64() * 1e3);
+            std::hint::black_box(rmp_serde::to_vec(&copy).expect("encode"));
+            kept = Some(copy);
+        }
+    }
+    drop(kept);
     let expected = router.index_stats();
     let expected_ownerships = router.ownerships().len();
     let last_seq = router.last_seq();
@@ -611,6 +641,19 @@ fn main() {
         ms(snapshot_clone),
         ms(snapshot_write - snapshot_clone)
     );
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|ms| format!("{ms:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "periodic snapshots of the state after the tail, {} ms apart, the writer's pause: \
+         {} ms into fresh memory, {} ms into the copy kept from the last one",
+        SNAPSHOT_GAP.as_millis(),
+        list(&fresh_copies),
+        list(&kept_copies)
+    );
     println!(
         "recovery of snapshot + {TAIL_ENTRIES}-entry tail ({} blocks after): {:.0} ms",
         expected.blocks,
@@ -673,6 +716,8 @@ fn main() {
             "snapshot_blocks": blocks_at_snapshot,
             "snapshot_bytes": snapshot_bytes,
             "snapshot_clone_ms": ms(snapshot_clone).round(),
+            "periodic_snapshot_fresh_copy_ms": fresh_copies,
+            "periodic_snapshot_kept_copy_ms": kept_copies,
             "snapshot_write_ms": ms(snapshot_write - snapshot_clone).round(),
             "tail_entries": TAIL_ENTRIES,
             "recovery_ms": ms(recovery).round(),

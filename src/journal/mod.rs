@@ -131,6 +131,16 @@ impl Snapshot {
             state: router.state().clone(),
         }
     }
+
+    /// Makes this snapshot the router's state as of its last applied input, taken at
+    /// `at_ms`, as [`Snapshot::of`] does but in this snapshot's own memory where it has room:
+    /// the copy a writer keeps from its last snapshot (see `RouterState::clone_from`).
+    pub fn retake(&mut self, router: &crate::router::Router, at_ms: u64) {
+        self.seq = router.last_seq();
+        self.at_ms = at_ms;
+        self.config.clone_from(router.config());
+        self.state.clone_from(router.state());
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -1,7 +1,7 @@
 //! The journal on a real sled dir: retention bounds, size accounting, export, refusals.
 
 use super::*;
-use crate::input::{KvEventBatch, LoadSample, RouteRequest, Stamped, StoredBlock};
+use crate::input::{KvEvent, KvEventBatch, LoadSample, Medium, RouteRequest, Stamped, StoredBlock};
 use crate::replay::replay;
 use crate::router::Router;
 
@@ -615,4 +615,132 @@ fn appends_that_nobody_stores_keep_at_most_a_few_sealed_runs_in_memory() {
         "600 entries of 2.3 KB went to sled in runs without a flush"
     );
     assert_eq!(journal.entries_after(0).count(), 600);
+}
+
+/// Mixed traffic that fills every part of the state a snapshot copies: device, host and disk
+/// ownership in two models' namespaces, blocks with more than two owners, removals, approximate
+/// records, reservations and load.
+fn varied_traffic(i: u64) -> Input {
+    let w = worker(i % 5);
+    // Prefixes come back (blocks gain owners) while new ones keep coming, so a router after
+    // more inputs holds more blocks, in larger tables.
+    let prefix = i * 7_919 % (i / 4 + 11);
+    // Each worker's own engine hash for block `b` of the prefix.
+    let engine = |b: u64| ((i % 5) << 32) | (prefix * 10 + b);
+    let blocks = |medium| KvEvent::Stored {
+        parent: None,
+        blocks: (0..6)
+            .map(|b| StoredBlock {
+                engine_hash: engine(b),
+                local: prefix * 10 + b,
+            })
+            .collect(),
+        block_size: 16,
+        lora: None,
+        medium,
+        full_attention: true,
+    };
+    match i % 6 {
+        0 | 1 => Input::KvEvents(KvEventBatch {
+            model: (i % 4 == 1).then(|| "m2".to_owned()),
+            ..KvEventBatch::of(w, vec![blocks(Medium::Gpu)])
+        }),
+        2 => Input::KvEvents(KvEventBatch::of(
+            w,
+            vec![blocks([Medium::Host, Medium::Disk][(i / 6 % 2) as usize])],
+        )),
+        3 => Input::KvEvents(KvEventBatch::of(
+            w,
+            vec![KvEvent::Removed {
+                engine_hashes: (3..6).map(engine).collect(),
+                medium: Medium::Gpu,
+            }],
+        )),
+        4 => Input::Load(LoadSample {
+            worker: w,
+            kv_usage: (i % 10) as f64 / 10.0,
+            running: 1,
+            waiting: (i % 3) as u32,
+            max_running: Some(8),
+            model: None,
+            dp_rank: 0,
+        }),
+        _ => Input::Route(RouteRequest {
+            model: None,
+            lora: None,
+            keys: crate::hashing::chain_locals((0..8).map(|b| prefix * 10 + b)),
+            prompt_tokens: 128,
+            max_output_tokens: None,
+            exclude: Vec::new(),
+            request_id: None,
+            explain: false,
+        }),
+    }
+}
+
+/// A router after `n` inputs of [`varied_traffic`].
+fn varied_router(n: u64) -> Router {
+    let mut router = Router::new(RouterConfig::default());
+    for i in 0..n {
+        router.apply(&Stamped {
+            seq: i + 1,
+            at_ms: 1_000 + i,
+            input: varied_traffic(i),
+        });
+    }
+    router
+}
+
+#[test]
+fn a_snapshot_retaken_into_a_kept_copy_holds_the_routers_state() {
+    let encode = |seq: u64, at_ms: u64, config: &RouterConfig, state: &RouterState| {
+        (
+            seq,
+            at_ms,
+            rmp_serde::to_vec(config).unwrap(),
+            rmp_serde::to_vec(state).unwrap(),
+        )
+    };
+    let router = varied_router(3_000);
+    let original = encode(router.last_seq(), 9, router.config(), router.state());
+    let empty = rmp_serde::to_vec(Router::new(RouterConfig::default()).state()).unwrap();
+    assert!(
+        original.3.len() > 10 * empty.len(),
+        "the traffic fills the state"
+    );
+    // Copies of an empty router and of a smaller, an equal and a larger state than the one
+    // retaken: tables that must grow, that keep their size, and that must shrink.
+    for kept_of in [0, 300, 2_990, 3_000, 30_000] {
+        let mut kept = Snapshot::of(&varied_router(kept_of), 7);
+        kept.retake(&router, 9);
+        assert!(
+            encode(kept.seq, kept.at_ms, &kept.config, &kept.state) == original,
+            "a snapshot retaken into the copy of a router after {kept_of} inputs holds exactly \
+             the router's state"
+        );
+    }
+    // A router restored from the retaken copy itself (no encoding between) decides as the
+    // original does: its tables find their keys.
+    let mut kept = Snapshot::of(&varied_router(30_000), 7);
+    kept.retake(&router, 9);
+    let (mut restored, mut original_router) = (Router::from_state(kept.config, kept.state), router);
+    for i in 3_000..3_600 {
+        let input = Stamped {
+            seq: i + 1,
+            at_ms: 1_000 + i,
+            input: varied_traffic(i),
+        };
+        assert_eq!(
+            restored.apply(&input),
+            original_router.apply(&input),
+            "a router restored from a retaken copy answers input {i} as the original does"
+        );
+    }
+    let router = original_router;
+    let original = encode(router.last_seq(), 9, router.config(), router.state());
+    let fresh = Snapshot::of(&router, 9);
+    assert!(
+        encode(fresh.seq, fresh.at_ms, &fresh.config, &fresh.state) == original,
+        "a fresh copy holds exactly the router's state"
+    );
 }

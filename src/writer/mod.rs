@@ -432,22 +432,23 @@ pub fn spawn(
                     Err(WriterGone) => break None,
                 }
                 if snapshotter.due() {
+                    let kept = snapshotter.take_kept();
                     // Never a snapshot of a state the journal does not hold.
                     if let Ok(Some(snapshot)) = shared.ingest(|state| {
                         state
                             .consistent()
-                            .then(|| take_snapshot(&state.router, &mut state.clock))
+                            .then(|| take_snapshot(&state.router, &mut state.clock, kept))
                     }) {
                         snapshotter.submit(snapshot);
                     }
                 }
             };
             // Let a periodic snapshot in progress finish, then write the final one.
-            snapshotter.finish(|| {
+            snapshotter.finish(|kept| {
                 shared.take().and_then(|mut state| {
                     state
                         .consistent()
-                        .then(|| take_snapshot(&state.router, &mut state.clock))
+                        .then(|| take_snapshot(&state.router, &mut state.clock, kept))
                 })
             });
             if let Some(done) = shutdown {
