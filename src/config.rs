@@ -404,7 +404,8 @@ pub struct ServeArgs {
     pub decisions_max_age: Duration,
     #[command(flatten)]
     pub policy: PolicyArgs,
-    /// How often the state is snapshotted (and the journal pruned)
+    /// How often the state is snapshotted (and the journal pruned). Each snapshot is copied
+    /// under the state's lock into the last one's memory, which stays resident between them
     #[arg(long, env = "KVROUTED_SNAPSHOT_INTERVAL", default_value = "60s", value_parser = parse_duration)]
     pub snapshot_interval: Duration,
     /// Journal entries older than this may be dropped once a snapshot covers them
