@@ -214,6 +214,10 @@ pub struct Journal {
 /// that never calls [`Journal::store_sealed`] (a test, a tool) holds at most this many in memory.
 const MAX_SEALED: usize = 8;
 
+/// Buffers of stored runs kept for the runs sealed after them: enough for the writer's usual
+/// one or two runs between stores, so an append allocates no run buffer.
+const SPARE_RUNS: usize = 2;
+
 /// The entries appended since the last settle, in memory. Every read and every flush settles
 /// them first, so appended entries are visible at once and a flush makes all of them durable.
 ///
@@ -295,7 +299,7 @@ impl Pending {
             if let Ok(Run { mut bytes, .. }) = Arc::try_unwrap(run) {
                 bytes.clear();
                 let mut spare = locked(&self.spare);
-                if spare.len() < 2 {
+                if spare.len() < SPARE_RUNS {
                     spare.push(bytes);
                 }
             }

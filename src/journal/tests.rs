@@ -137,6 +137,19 @@ fn worker(i: u64) -> WorkerId {
 }
 
 /// Inputs of a small fleet: stores, loads, routes over the stored prefixes.
+/// A load sample of `worker` for input `i`: its usage cycles through tenths.
+fn load_sample(worker: WorkerId, i: u64, waiting: u32) -> Input {
+    Input::Load(LoadSample {
+        worker,
+        kv_usage: (i % 10) as f64 / 10.0,
+        running: 1,
+        waiting,
+        max_running: Some(8),
+        model: None,
+        dp_rank: 0,
+    })
+}
+
 pub(crate) fn traffic(i: u64) -> Input {
     let w = i % 3;
     match i % 4 {
@@ -154,15 +167,7 @@ pub(crate) fn traffic(i: u64) -> Input {
                 16,
             )
         }),
-        2 => Input::Load(LoadSample {
-            worker: worker(w),
-            kv_usage: (i % 10) as f64 / 10.0,
-            running: 1,
-            waiting: 0,
-            max_running: Some(8),
-            model: None,
-            dp_rank: 0,
-        }),
+        2 => load_sample(worker(w), i, 0),
         _ => Input::Route(RouteRequest {
             model: None,
             lora: None,
@@ -656,15 +661,7 @@ fn varied_traffic(i: u64) -> Input {
                 medium: Medium::Gpu,
             }],
         )),
-        4 => Input::Load(LoadSample {
-            worker: w,
-            kv_usage: (i % 10) as f64 / 10.0,
-            running: 1,
-            waiting: (i % 3) as u32,
-            max_running: Some(8),
-            model: None,
-            dp_rank: 0,
-        }),
+        4 => load_sample(w, i, (i % 3) as u32),
         _ => Input::Route(RouteRequest {
             model: None,
             lora: None,

@@ -277,6 +277,20 @@ pub struct WriterSettings {
     pub journal_max_bytes: u64,
 }
 
+impl WriterSettings {
+    /// Snapshots every `snapshot_interval`, and the journal kept (no retention due): what the
+    /// writer's and the snapshotter's tests run with.
+    #[cfg(test)]
+    pub(crate) fn keeping_the_journal(snapshot_interval: Duration) -> Self {
+        let year = Duration::from_secs(365 * 24 * 3600);
+        WriterSettings {
+            snapshot_interval,
+            journal_max_age: year,
+            journal_max_bytes: u64::MAX,
+        }
+    }
+}
+
 /// Applies one input through the journal; shared by the writer loop and startup.
 pub fn apply_journaled(
     router: &mut Router,
@@ -467,17 +481,12 @@ pub(crate) fn spawn_for_test(
     pending: Arc<PendingAcks>,
     snapshot_interval: Duration,
 ) -> (WriterHandle, std::thread::JoinHandle<()>) {
-    let year = Duration::from_secs(365 * 24 * 3600);
     spawn(
         Router::new(crate::router::RouterConfig::default()),
         journal.clone(),
         Clock::new(0),
         pending,
-        WriterSettings {
-            snapshot_interval,
-            journal_max_age: year,
-            journal_max_bytes: u64::MAX,
-        },
+        WriterSettings::keeping_the_journal(snapshot_interval),
         None,
     )
 }

@@ -185,15 +185,9 @@ mod tests {
     fn a_written_snapshot_is_kept_for_the_next_copy_to_be_made_in() {
         let dir = tempfile::TempDir::new().unwrap();
         let journal = Journal::open(dir.path()).unwrap();
-        let year = Duration::from_secs(365 * 24 * 3600);
-        let mut snapshotter = Snapshotter::start(
-            journal.clone(),
-            &WriterSettings {
-                snapshot_interval: year,
-                journal_max_age: year,
-                journal_max_bytes: u64::MAX,
-            },
-        );
+        let hour = Duration::from_secs(3600);
+        let mut snapshotter =
+            Snapshotter::start(journal.clone(), &WriterSettings::keeping_the_journal(hour));
         assert!(
             snapshotter.take_kept().is_none(),
             "nothing is kept before the first snapshot"

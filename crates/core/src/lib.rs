@@ -21,6 +21,27 @@
 //! - [`wire`]: pure decoders and encoders of the NATS payloads.
 //! - `prefetch`: the one cache-line hint the index and the route path share.
 
+/// `Clone` for a struct of the state, field by field, whose `clone_from` copies each field into
+/// the field's own memory (`Vec`, the maps and the index's tables reuse what they hold). The
+/// writer makes each snapshot after its first in the last one's memory this way
+/// (`RouterState::clone_from`): into fresh memory, nearly all of a copy's pause under the
+/// state's lock was the kernel clearing new pages. The source is destructured by its fields'
+/// names, so a field added to the struct and not to the list does not compile.
+macro_rules! clone_in_place {
+    ($name:ident $(<$param:ident>)? { $($field:ident),+ $(,)? }) => {
+        impl$(<$param: Clone>)? Clone for $name$(<$param>)? {
+            fn clone(&self) -> Self {
+                $name { $($field: self.$field.clone()),+ }
+            }
+
+            fn clone_from(&mut self, source: &Self) {
+                let $name { $($field),+ } = source;
+                $(self.$field.clone_from($field);)+
+            }
+        }
+    };
+}
+
 pub mod hashing;
 pub mod index;
 pub mod input;

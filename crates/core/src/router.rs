@@ -145,58 +145,21 @@ pub struct RouterState {
     peers: PeerState,
 }
 
-impl Clone for RouterState {
-    fn clone(&self) -> Self {
-        let mut copy = RouterState {
-            workers: Workers::default(),
-            namespaces: Namespaces::default(),
-            index: OwnerIndex::default(),
-            lower: LowerTiers::default(),
-            approx: ApproxIndex::new(1),
-            declared_block_sizes: BTreeMap::new(),
-            provisional: FxHashMap::default(),
-            reservations: Reservations::default(),
-            policy: PolicyState::default(),
-            last_seq: 0,
-            peers: PeerState::default(),
-        };
-        copy.clone_from(self);
-        copy
-    }
-
-    /// Copies `source` into this state's own memory where it has room: the index's tables
-    /// keep their arrays when the sizes match, and vectors and maps their allocations. A
-    /// snapshot copies the state under the state's lock, and into fresh memory nearly all of
-    /// that pause was the kernel clearing the new pages; the writer keeps the last snapshot's
-    /// copy and refreshes it this way (docs/architecture.md, "Snapshots").
-    fn clone_from(&mut self, source: &Self) {
-        // Every field by name, so a field added later cannot be left out of the copy.
-        let RouterState {
-            workers,
-            namespaces,
-            index,
-            lower,
-            approx,
-            declared_block_sizes,
-            provisional,
-            reservations,
-            policy,
-            last_seq,
-            peers,
-        } = source;
-        self.workers.clone_from(workers);
-        self.namespaces.clone_from(namespaces);
-        self.index.clone_from(index);
-        self.lower.clone_from(lower);
-        self.approx.clone_from(approx);
-        self.declared_block_sizes.clone_from(declared_block_sizes);
-        self.provisional.clone_from(provisional);
-        self.reservations.clone_from(reservations);
-        self.policy.clone_from(policy);
-        self.last_seq = *last_seq;
-        self.peers.clone_from(peers);
-    }
-}
+// The writer keeps the last snapshot's copy of the state and makes the next one in it
+// (docs/architecture.md, "Snapshots").
+clone_in_place!(RouterState {
+    workers,
+    namespaces,
+    index,
+    lower,
+    approx,
+    declared_block_sizes,
+    provisional,
+    reservations,
+    policy,
+    last_seq,
+    peers,
+});
 
 pub struct Router {
     config: RouterConfig,

@@ -68,20 +68,7 @@ fn value_of(slab: &mut Slab<Records>, records: Records) -> u64 {
 /// slab reaches.
 const NEW: u64 = u64::MAX;
 
-impl Clone for ApproxMap {
-    fn clone(&self) -> Self {
-        ApproxMap {
-            table: self.table.clone(),
-            slab: self.slab.clone(),
-        }
-    }
-
-    fn clone_from(&mut self, source: &Self) {
-        let ApproxMap { table, slab } = source;
-        self.table.clone_from(table);
-        self.slab.clone_from(slab);
-    }
-}
+clone_in_place!(ApproxMap { table, slab });
 
 impl ApproxMap {
     fn with_records<R>(&self, value: u64, f: impl FnOnce(&[(Slot, u64)]) -> R) -> R {
@@ -207,27 +194,11 @@ pub struct ApproxIndex {
     max_records: usize,
 }
 
-impl Clone for ApproxIndex {
-    fn clone(&self) -> Self {
-        ApproxIndex {
-            blocks: self.blocks.clone(),
-            queue: self.queue.clone(),
-            max_records: self.max_records,
-        }
-    }
-
-    /// Writes over this index's memory where it has room (the snapshot's kept copy).
-    fn clone_from(&mut self, source: &Self) {
-        let ApproxIndex {
-            blocks,
-            queue,
-            max_records,
-        } = source;
-        self.blocks.clone_from(blocks);
-        self.queue.clone_from(queue);
-        self.max_records = *max_records;
-    }
-}
+clone_in_place!(ApproxIndex {
+    blocks,
+    queue,
+    max_records
+});
 
 impl ApproxIndex {
     pub fn new(max_records: usize) -> Self {

@@ -79,30 +79,13 @@ pub struct KeyTable {
     shift: u32,
 }
 
-impl Clone for KeyTable {
-    fn clone(&self) -> Self {
-        KeyTable {
-            tags: self.tags.clone(),
-            buckets: self.buckets.clone(),
-            len: self.len,
-            shift: self.shift,
-        }
-    }
-
-    /// Writes over this table's arrays where they have the source's size ([`TableArray`]'s
-    /// `clone_from`): the snapshot's kept copy.
-    fn clone_from(&mut self, source: &Self) {
-        let KeyTable {
-            tags,
-            buckets,
-            len,
-            shift,
-        } = source;
-        self.tags.clone_from(tags);
-        self.buckets.clone_from(buckets);
-        (self.len, self.shift) = (*len, *shift);
-    }
-}
+// A table of the source's size keeps its arrays ([`TableArray`]'s `clone_from`).
+clone_in_place!(KeyTable {
+    tags,
+    buckets,
+    len,
+    shift
+});
 
 impl Default for KeyTable {
     fn default() -> Self {

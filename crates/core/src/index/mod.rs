@@ -127,20 +127,7 @@ pub struct LowerTiers {
     pub disk: OwnerIndex,
 }
 
-impl Clone for LowerTiers {
-    fn clone(&self) -> Self {
-        LowerTiers {
-            host: self.host.clone(),
-            disk: self.disk.clone(),
-        }
-    }
-
-    fn clone_from(&mut self, source: &Self) {
-        let LowerTiers { host, disk } = source;
-        self.host.clone_from(host);
-        self.disk.clone_from(disk);
-    }
-}
+clone_in_place!(LowerTiers { host, disk });
 
 impl LowerTiers {
     /// The index of a lower tier; `None` for the device tier.

@@ -46,21 +46,7 @@ pub struct OwnerMap {
     overflow: Slab<Overflow>,
 }
 
-impl Clone for OwnerMap {
-    fn clone(&self) -> Self {
-        OwnerMap {
-            inline: self.inline.clone(),
-            overflow: self.overflow.clone(),
-        }
-    }
-
-    /// Writes over this map's memory where it has room (the snapshot's kept copy).
-    fn clone_from(&mut self, source: &Self) {
-        let OwnerMap { inline, overflow } = source;
-        self.inline.clone_from(inline);
-        self.overflow.clone_from(overflow);
-    }
-}
+clone_in_place!(OwnerMap { inline, overflow });
 
 impl OwnerMap {
     /// Asks the CPU to start loading `key`'s inline entry (a hint: it changes nothing).

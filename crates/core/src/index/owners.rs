@@ -23,20 +23,7 @@ struct EngineMap {
     extra_stores: FxHashMap<u64, u32>,
 }
 
-impl Clone for EngineMap {
-    fn clone(&self) -> Self {
-        EngineMap {
-            keys: self.keys.clone(),
-            extra_stores: self.extra_stores.clone(),
-        }
-    }
-
-    fn clone_from(&mut self, source: &Self) {
-        let EngineMap { keys, extra_stores } = source;
-        self.keys.clone_from(keys);
-        self.extra_stores.clone_from(extra_stores);
-    }
-}
+clone_in_place!(EngineMap { keys, extra_stores });
 
 impl EngineMap {
     /// Records one store of `engine_hash` with a known `key` by `slot`, owned in `owners` (its

@@ -14,21 +14,8 @@ pub struct Slab<T> {
     free: Vec<usize>,
 }
 
-impl<T: Clone> Clone for Slab<T> {
-    fn clone(&self) -> Self {
-        Slab {
-            entries: self.entries.clone(),
-            free: self.free.clone(),
-        }
-    }
-
-    /// Reuses this slab's vectors, and each entry's own memory where it has room.
-    fn clone_from(&mut self, source: &Self) {
-        let Slab { entries, free } = source;
-        self.entries.clone_from(entries);
-        self.free.clone_from(free);
-    }
-}
+// Each entry is copied into its own memory where it has room.
+clone_in_place!(Slab<T> { entries, free });
 
 impl<T> Default for Slab<T> {
     fn default() -> Self {
