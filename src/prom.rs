@@ -18,21 +18,22 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
-use std::sync::{Mutex, RwLock};
+use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, gauge, histogram, Counter, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::input::{RejectReason, Rejection};
 use crate::policy::DecisionLabel;
-use crate::router::{Output, Router};
+use crate::router::{IngestReport, Output, Router};
 use crate::status::Feed;
 
-/// Installs the Prometheus recorder and pre-registers every bounded label so dashboards see
-/// zeros rather than missing series.
-pub fn install() -> anyhow::Result<PrometheusHandle> {
-    let handle = PrometheusBuilder::new()
+/// The recorder's settings: histogram buckets, and gauges that go idle (a gauge nothing has set
+/// for 300s leaves the page). Counters and histograms never expire, so a held handle
+/// ([`Handles`]) stays the series it was registered as.
+fn builder() -> anyhow::Result<PrometheusBuilder> {
+    Ok(PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full("kvrouted_route_duration_seconds".into()),
             &[
@@ -50,10 +51,107 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         .idle_timeout(
             metrics_util::MetricKindMask::GAUGE,
             Some(Duration::from_secs(300)),
-        )
-        .install_recorder()?;
-    for label in DecisionLabel::ALL {
-        counter!("kvrouted_route_decisions_total", "decision" => label.as_str()).absolute(0);
+        ))
+}
+
+/// The kinds of `kvrouted_events_applied_total`, in the order of [`Handles`]' counters.
+const EVENT_KINDS: [&str; 7] = [
+    "stored",
+    "removed",
+    "stored_lower_tier",
+    "removed_lower_tier",
+    "cleared",
+    "ignored_group",
+    "duplicate_batch",
+];
+
+/// Handles of the series recorded for every applied input, registered once. Naming a series
+/// (`counter!(name, labels)`) hashes its key and looks it up in the recorder's registry, under
+/// the registry's lock: five times per route inside the state's lock ([`record_output`] and the
+/// journal's counters in `apply_journaled`), where every route waits behind it. A held handle is
+/// one atomic update.
+pub struct Handles {
+    /// `kvrouted_route_decisions_total{decision}`, indexed by [`DecisionLabel`].
+    decisions: [Counter; DecisionLabel::ALL.len()],
+    matched_blocks: Histogram,
+    owner_count: Histogram,
+    route_duration: Histogram,
+    journal_bytes: Counter,
+    journal_entries: Counter,
+    /// `kvrouted_events_applied_total{kind}`, indexed as [`EVENT_KINDS`].
+    events_applied: [Counter; EVENT_KINDS.len()],
+}
+
+impl Handles {
+    /// Registers every series with the recorder installed now.
+    fn register() -> Handles {
+        Handles {
+            decisions: DecisionLabel::ALL.map(
+                |label| counter!("kvrouted_route_decisions_total", "decision" => label.as_str()),
+            ),
+            matched_blocks: histogram!("kvrouted_route_matched_blocks"),
+            owner_count: histogram!("kvrouted_prefix_owner_count"),
+            route_duration: histogram!("kvrouted_route_duration_seconds"),
+            journal_bytes: counter!("kvrouted_journal_bytes_total"),
+            journal_entries: counter!("kvrouted_journal_entries_total"),
+            events_applied: EVENT_KINDS
+                .map(|kind| counter!("kvrouted_events_applied_total", "kind" => kind)),
+        }
+    }
+
+    /// A route's decision: its label, the chosen worker's matched blocks and the known owners.
+    fn routed(&self, decision: DecisionLabel, matched_blocks: u32, owners: usize) {
+        self.decisions[decision as usize].increment(1);
+        self.matched_blocks.record(f64::from(matched_blocks));
+        self.owner_count.record(owners as f64);
+    }
+
+    /// What one KV event batch applied, by kind (a redelivered batch counts once, as
+    /// `duplicate_batch`).
+    fn ingested(&self, r: &IngestReport) {
+        let applied = [
+            r.stored_blocks,
+            r.removed_blocks,
+            r.lower_tier_stored,
+            r.lower_tier_removed,
+            r.cleared,
+            r.ignored_blocks,
+            u64::from(r.duplicate),
+        ];
+        for (counter, n) in self.events_applied.iter().zip(applied) {
+            if n > 0 {
+                counter.increment(n);
+            }
+        }
+    }
+
+    /// How long the HTTP handler took to answer a route (`kvrouted_route_duration_seconds`).
+    pub fn route_took(&self, seconds: f64) {
+        self.route_duration.record(seconds);
+    }
+
+    /// One journal entry of `bytes` written.
+    pub fn journaled(&self, bytes: usize) {
+        self.journal_bytes.increment(bytes as u64);
+        self.journal_entries.increment(1);
+    }
+}
+
+static HANDLES: OnceLock<Handles> = OnceLock::new();
+
+/// The per-input series' handles, registered with the recorder installed at the first call:
+/// [`install`] makes that call, before the daemon applies anything. Where no recorder is
+/// installed (replay, the simulator, tests) they record nothing, as the macros would.
+pub fn handles() -> &'static Handles {
+    HANDLES.get_or_init(Handles::register)
+}
+
+/// Installs the Prometheus recorder and pre-registers every bounded label so dashboards see
+/// zeros rather than missing series.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    let handle = builder()?.install_recorder()?;
+    for decisions in &handles().decisions {
+        decisions.absolute(0);
     }
     for reason in RejectReason::ALL {
         counter!("kvrouted_inputs_rejected_total", "reason" => reason.as_str()).absolute(0);
@@ -119,26 +217,9 @@ const PEER_OUTCOMES: [&str; 4] = ["applied", "own", "duplicate", "unknown_worker
 /// Records what one applied input did.
 pub fn record_output(output: &Output, source: &str) {
     match output {
-        Output::Routed(d) => {
-            counter!("kvrouted_route_decisions_total", "decision" => d.decision.as_str())
-                .increment(1);
-            histogram!("kvrouted_route_matched_blocks").record(d.matched_blocks as f64);
-            histogram!("kvrouted_prefix_owner_count").record(d.owners.len() as f64);
-        }
+        Output::Routed(d) => handles().routed(d.decision, d.matched_blocks, d.owners.len()),
         Output::Ingested(r) => {
-            let kinds = [
-                ("stored", r.stored_blocks),
-                ("removed", r.removed_blocks),
-                ("stored_lower_tier", r.lower_tier_stored),
-                ("removed_lower_tier", r.lower_tier_removed),
-                ("cleared", r.cleared),
-                ("ignored_group", r.ignored_blocks),
-            ];
-            for (kind, n) in kinds {
-                if n > 0 {
-                    counter!("kvrouted_events_applied_total", "kind" => kind).increment(n);
-                }
-            }
+            handles().ingested(r);
             if r.orphan_blocks > 0 {
                 // Blocks keyed from a chain start because their parent was unknown.
                 counter!("kvrouted_orphan_blocks_total").increment(r.orphan_blocks);
@@ -154,9 +235,6 @@ pub fn record_output(output: &Output, source: &str) {
             if r.departed {
                 // A late message from a worker that left: ignored, never brings it back.
                 counter!("kvrouted_departed_inputs_total").increment(1);
-            }
-            if r.duplicate {
-                counter!("kvrouted_events_applied_total", "kind" => "duplicate_batch").increment(1);
             }
             if r.seq_gap > 0 {
                 counter!("kvrouted_event_seq_gaps_total").increment(r.seq_gap);
@@ -251,4 +329,87 @@ pub fn record_state(router: &Router, now_ms: u64) {
     *WORKER_SERIES.write().unwrap_or_else(|e| e.into_inner()) = pressure;
     gauge!("kvrouted_workers", "state" => "active").set(active as f64);
     gauge!("kvrouted_workers", "state" => "draining").set(draining as f64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Renders what `record` recorded through handles registered with a recorder of the
+    /// daemon's settings (local to the test, so tests do not share a global one).
+    fn recorded(record: impl FnOnce(&Handles)) -> String {
+        let recorder = builder().expect("the settings are valid").build_recorder();
+        let page = recorder.handle();
+        let handles = metrics::with_local_recorder(&recorder, Handles::register);
+        record(&handles);
+        page.render()
+    }
+
+    fn has_line(page: &str, line: &str) -> bool {
+        page.lines().any(|l| l == line)
+    }
+
+    #[test]
+    fn each_decision_label_is_counted_in_its_own_series() {
+        let page = recorded(|h| {
+            for (n, label) in DecisionLabel::ALL.into_iter().enumerate() {
+                for _ in 0..=n {
+                    h.routed(label, 3, 2);
+                }
+            }
+        });
+        for (n, label) in DecisionLabel::ALL.into_iter().enumerate() {
+            let line = format!(
+                "kvrouted_route_decisions_total{{decision=\"{label}\"}} {}",
+                n + 1
+            );
+            assert!(
+                has_line(&page, &line),
+                "each label's decisions count under that label ({line}):\n{page}"
+            );
+        }
+        let routes = DecisionLabel::ALL.len() * (DecisionLabel::ALL.len() + 1) / 2;
+        for histogram in [
+            "kvrouted_route_matched_blocks",
+            "kvrouted_prefix_owner_count",
+        ] {
+            let line = format!("{histogram}_count {routes}");
+            assert!(
+                has_line(&page, &line),
+                "every route is observed ({line}):\n{page}"
+            );
+        }
+    }
+
+    #[test]
+    fn each_kind_of_applied_event_is_counted_in_its_own_series() {
+        let report = IngestReport {
+            stored_blocks: 1,
+            removed_blocks: 2,
+            lower_tier_stored: 3,
+            lower_tier_removed: 4,
+            cleared: 5,
+            ignored_blocks: 6,
+            duplicate: true,
+            ..IngestReport::default()
+        };
+        let page = recorded(|h| {
+            h.ingested(&report);
+            h.journaled(100);
+            h.journaled(20);
+        });
+        for (n, kind) in EVENT_KINDS.into_iter().enumerate() {
+            let count = if kind == "duplicate_batch" { 1 } else { n + 1 };
+            let line = format!("kvrouted_events_applied_total{{kind=\"{kind}\"}} {count}");
+            assert!(
+                has_line(&page, &line),
+                "{kind} counts its own ({line}):\n{page}"
+            );
+        }
+        assert!(
+            has_line(&page, "kvrouted_journal_bytes_total 120")
+                && has_line(&page, "kvrouted_journal_entries_total 2"),
+            "journal entries and their bytes add up:\n{page}"
+        );
+    }
 }

@@ -313,10 +313,7 @@ pub fn apply_journaled(
     };
     let journaled = journal
         .append(seq, &entry)
-        .map(|bytes| {
-            metrics::counter!("kvrouted_journal_bytes_total").increment(bytes as u64);
-            metrics::counter!("kvrouted_journal_entries_total").increment(1);
-        })
+        .map(|bytes| prom::handles().journaled(bytes))
         .map_err(|e| e.to_string());
     if journaled.is_ok() {
         prom::record_output(&output, source);
