@@ -114,6 +114,12 @@ fn decode_everything(payload: &[u8]) {
     let _ = decode_lifecycle(payload, worker());
 }
 
+/// A token id in any of the four widths msgpack gives one (positive fixint, uint 8, 16, 32), so
+/// a token list mixes them as real vocabularies do.
+fn arb_token() -> impl Strategy<Value = u32> {
+    prop_oneof![0u32..0x80, 0x80u32..0x100, 0x100u32..0x1_0000, any::<u32>()]
+}
+
 /// A `BlockStored` whose token count is consistent, and the core event it must decode to.
 fn arb_consistent_stored() -> impl Strategy<Value = (VllmEvent, KvEvent)> {
     (
@@ -126,7 +132,7 @@ fn arb_consistent_stored() -> impl Strategy<Value = (VllmEvent, KvEvent)> {
         .prop_flat_map(|(bs, n, parent, lora_id, gpu)| {
             (
                 prop::collection::vec(any::<u64>(), n),
-                prop::collection::vec(any::<u32>(), n * bs as usize),
+                prop::collection::vec(arb_token(), n * bs as usize),
                 Just((bs, parent, lora_id, gpu)),
             )
         })
