@@ -17,10 +17,25 @@ use crate::input::{KvEvent, Medium, StoredBlock};
 /// Nesting depth the skipper follows before giving up (to the tolerant decoder).
 const MAX_SKIP_DEPTH: usize = 32;
 
-/// The markers of the unsigned forms a token id takes besides a positive fixint.
-const TOKEN_U8: u8 = Marker::U8.to_u8();
-const TOKEN_U16: u8 = Marker::U16.to_u8();
-const TOKEN_U32: u8 = Marker::U32.to_u8();
+/// A token id and the bytes it takes, from the big-endian word that starts at its marker, for
+/// the four forms a token id takes (positive fixint, uint 8, 16 and 32); `None` for any other.
+/// A 32-block batch carries hundreds of token ids: through the general reader (the marker
+/// decoded into an enum, then a signed-or-unsigned value, then a range check) they were about
+/// half of the decoder's time in the daemon's ingest profile, and read byte by byte, with a
+/// bounds check each, 40% of a batch in `cargo bench --bench wire`.
+fn token_form(word: u64) -> Option<(u32, usize)> {
+    const U8: u8 = Marker::U8.to_u8();
+    const U16: u8 = Marker::U16.to_u8();
+    const U32: u8 = Marker::U32.to_u8();
+    Some(match (word >> 56) as u8 {
+        // A positive fixint is its own value.
+        first @ 0x00..=0x7f => (u32::from(first), 1),
+        U8 => ((word >> 48) as u8 as u32, 2),
+        U16 => ((word >> 40) as u16 as u32, 3),
+        U32 => ((word >> 24) as u32, 5),
+        _ => return None,
+    })
+}
 
 struct Cursor<'a> {
     buf: &'a [u8],
@@ -313,21 +328,15 @@ impl<'a> Cursor<'a> {
         tokens.clear();
         tokens.reserve(n);
         let mut left = n;
-        // While eight bytes remain, each token is read from one big-endian load (a token id in
-        // its four forms takes at most five bytes): one bounds check per token, not one per
-        // byte (40% off a 32-block batch in `cargo bench --bench wire`). The last few tokens,
-        // and from the first token in another form on, go through `token`.
+        // While eight bytes remain, every form fits in them: a tight loop of one load each. The
+        // last few tokens, and from the first token in another form on, go through `token`.
         while left > 0 {
             let Some(word) = self.buf.get(self.pos..self.pos + 8) else {
                 break;
             };
             let word = u64::from_be_bytes(word.try_into().expect("eight bytes"));
-            let (token, width) = match (word >> 56) as u8 {
-                first @ 0x00..=0x7f => (u32::from(first), 1),
-                TOKEN_U8 => ((word >> 48) as u8 as u32, 2),
-                TOKEN_U16 => ((word >> 40) as u16 as u32, 3),
-                TOKEN_U32 => ((word >> 24) as u32, 5),
-                _ => break,
+            let Some((token, width)) = token_form(word) else {
+                break;
             };
             tokens.push(token);
             self.pos += width;
@@ -339,28 +348,22 @@ impl<'a> Cursor<'a> {
         Some(())
     }
 
-    /// A token id: [`u32`](Self::u32), with the four forms a token id takes (positive fixint,
-    /// uint 8, 16 and 32) read straight from the marker byte. A 32-block batch carries hundreds
-    /// of token ids: through the general reader (the marker decoded into an enum, then a
-    /// signed-or-unsigned value, then a range check) they were about half of the decoder's time
-    /// in the daemon's ingest profile. Every other form goes through the general reader.
-    #[inline]
+    /// One token id where the loop in [`tokens`](Self::tokens) stops: fewer than eight bytes
+    /// left (read as the loop reads them, with zeros past the payload's end, so one table,
+    /// [`token_form`], reads the forms), or a form other than the four, which goes through the
+    /// general reader, as does a form the payload's end cuts short.
     fn token(&mut self) -> Option<u32> {
-        let first = *self.buf.get(self.pos)?;
-        let width = match first {
-            // A positive fixint is its own value.
-            0x00..=0x7f => {
-                self.pos += 1;
-                return Some(u32::from(first));
+        let rest = self.buf.get(self.pos..)?;
+        let mut word = [0; 8];
+        let fits = rest.len().min(8);
+        word[..fits].copy_from_slice(&rest[..fits]);
+        match token_form(u64::from_be_bytes(word)) {
+            Some((token, width)) if width <= rest.len() => {
+                self.pos += width;
+                Some(token)
             }
-            TOKEN_U8 => 1,
-            TOKEN_U16 => 2,
-            TOKEN_U32 => 4,
-            _ => return self.u32(),
-        };
-        self.pos += 1;
-        let bytes = self.bytes(width)?;
-        Some(bytes.iter().fold(0, |v, &b| v << 8 | u32::from(b)))
+            _ => self.u32(),
+        }
     }
 
     fn block_size(&mut self) -> Option<u32> {
