@@ -27,6 +27,7 @@
 //! only in their high or low bits still spread.
 
 use std::fmt;
+use std::hint::select_unpredictable;
 use std::mem::MaybeUninit;
 
 use serde::de::{MapAccess, Visitor};
@@ -295,11 +296,18 @@ impl KeyTable {
             // The entry at `i` may fill the hole unless its home lies after the hole (cyclically,
             // in `(hole, i]`): moving it before its home would hide it from its own probe.
             let home = self.home(self.entry(i).0);
-            if i.wrapping_sub(home) & mask >= i.wrapping_sub(hole) & mask {
-                self.tags[hole] = self.tags[i];
-                self.buckets[hole] = self.buckets[i];
-                hole = i;
-            }
+            let fills = i.wrapping_sub(home) & mask >= i.wrapping_sub(hole) & mask;
+            // Whether it fills the hole is a coin toss to the branch predictor, so it is chosen
+            // without a branch: the hole is written either way, with the entry or with what it
+            // already holds (a written bucket: the removed entry or one moved out of it).
+            let (tag, bucket) = select_unpredictable(
+                fills,
+                (self.tags[i], self.buckets[i]),
+                (self.tags[hole], self.buckets[hole]),
+            );
+            self.tags[hole] = tag;
+            self.buckets[hole] = bucket;
+            hole = select_unpredictable(fills, i, hole);
         }
         self.tags[hole] = FREE;
         self.len -= 1;

@@ -394,7 +394,7 @@ fn engine_hash(v: &ValueRef<'_>) -> Option<u64> {
 /// concatenated one digest per KV cache group. Anything else is not a digest we know.
 pub(super) fn bin_hash(b: &[u8]) -> Option<u64> {
     let len = b.len();
-    if len == 8 || (len >= 16 && len % 16 == 0) {
+    if len == 8 || (len >= 16 && len.is_multiple_of(16)) {
         let tail: [u8; 8] = b[len - 8..].try_into().ok()?;
         Some(u64::from_be_bytes(tail))
     } else {
