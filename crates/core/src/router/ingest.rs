@@ -253,6 +253,8 @@ impl Router {
                         ));
                         continue;
                     };
+                    let tier = self.state.lower.tier(*medium).unwrap_or(&self.state.index);
+                    tier.prefetch_store(slot, ns, *parent, blocks);
                     let parent_key = parent.and_then(|p| self.parent_key(slot, ns, *medium, p));
                     if parent.is_some() && parent_key.is_none() {
                         report.orphan_blocks += n;

@@ -166,7 +166,9 @@ impl<const KEYS_GIVEN: bool> Subject for Kvrouted<KEYS_GIVEN> {
             }));
         let t = now();
         // The parent arrives as the engine's hash; the index chains on its block key, which the
-        // router looks up among the worker's blocks (timed: the peers resolve it inside).
+        // router looks up among the worker's blocks (timed: the peers resolve it inside), after
+        // asking for it and the first blocks' entries at once, as the router does.
+        self.index.prefetch_store(worker, 0, parent, &self.blocks);
         let parent_key = parent.and_then(|p| self.index.key_of(worker, 0, p));
         black_box(self.index.store(worker, 0, parent_key, &self.blocks));
         ns_since(t)
