@@ -136,7 +136,6 @@ fn worker(i: u64) -> WorkerId {
     WorkerId::new(&format!("w{i}")).unwrap()
 }
 
-/// Inputs of a small fleet: stores, loads, routes over the stored prefixes.
 /// A load sample of `worker` for input `i`: its usage cycles through tenths.
 fn load_sample(worker: WorkerId, i: u64, waiting: u32) -> Input {
     Input::Load(LoadSample {
@@ -150,6 +149,7 @@ fn load_sample(worker: WorkerId, i: u64, waiting: u32) -> Input {
     })
 }
 
+/// Inputs of a small fleet: stores, loads, routes over the stored prefixes.
 pub(crate) fn traffic(i: u64) -> Input {
     let w = i % 3;
     match i % 4 {
