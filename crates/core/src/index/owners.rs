@@ -165,7 +165,8 @@ impl OwnerIndex {
     /// map: its parent's (the batch's keys chain on the parent's key, so that lookup comes
     /// before anything else) and its first blocks'. Called before the parent is looked up, the
     /// parent's cache miss overlaps the blocks' instead of coming before them. A hint: it
-    /// changes nothing.
+    /// changes nothing. ([`store`](Self::store) asks for the first blocks again, so it stands
+    /// alone; a second hint for a line already on its way costs next to nothing.)
     pub fn prefetch_store(
         &self,
         slot: Slot,

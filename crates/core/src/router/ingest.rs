@@ -152,6 +152,11 @@ impl Router {
         state.index.clear_worker(slot) as u64
     }
 
+    /// The ownership a KV event on `medium` changes: the device index, or a lower tier's.
+    fn tier_index(&self, medium: Medium) -> &OwnerIndex {
+        self.state.lower.tier(medium).unwrap_or(&self.state.index)
+    }
+
     /// The key of a stored block's parent, looked up among the rank's blocks on the store's own
     /// tier first, then the device, host and disk tiers (an offloaded block names a parent that
     /// may live on another tier).
@@ -163,10 +168,7 @@ impl Router {
         parent: u64,
     ) -> Option<u64> {
         let lower = &self.state.lower;
-        let own = match lower.tier(medium) {
-            Some(tier) => tier.key_of(slot, ns, parent),
-            None => self.state.index.key_of(slot, ns, parent),
-        };
+        let own = self.tier_index(medium).key_of(slot, ns, parent);
         own.or_else(|| self.state.index.key_of(slot, ns, parent))
             .or_else(|| lower.host.key_of(slot, ns, parent))
             .or_else(|| lower.disk.key_of(slot, ns, parent))
@@ -253,8 +255,8 @@ impl Router {
                         ));
                         continue;
                     };
-                    let tier = self.state.lower.tier(*medium).unwrap_or(&self.state.index);
-                    tier.prefetch_store(slot, ns, *parent, blocks);
+                    self.tier_index(*medium)
+                        .prefetch_store(slot, ns, *parent, blocks);
                     let parent_key = parent.and_then(|p| self.parent_key(slot, ns, *medium, p));
                     if parent.is_some() && parent_key.is_none() {
                         report.orphan_blocks += n;
