@@ -22,13 +22,10 @@ pub const LOCAL_SEED: u64 = 1337;
 /// Hash of one block's tokens, independent of its position.
 #[cfg(target_endian = "little")]
 pub fn local_hash(tokens: &[u32]) -> u64 {
-    // SAFETY: the tokens' memory, read as bytes: `u8` has no alignment or validity
-    // requirement, and the byte length covers exactly the `u32`s, whose in-memory bytes are
-    // their little-endian bytes on this target. Hashed where they lie, with no copy (and no
-    // allocation for blocks past 64 tokens, such as 512-token blocks).
-    let bytes =
-        unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), tokens.len() * 4) };
-    xxh3_64_with_seed(bytes, LOCAL_SEED)
+    // The tokens' in-memory bytes are their little-endian bytes on this target: hashed where
+    // they lie, with no copy (and no allocation for blocks past 64 tokens, such as 512-token
+    // blocks).
+    xxh3_64_with_seed(zerocopy::IntoBytes::as_bytes(tokens), LOCAL_SEED)
 }
 
 /// Hash of one block's tokens, independent of its position.
