@@ -14,7 +14,7 @@ use kvrouted::hashing::chain_locals;
 use kvrouted::input::{
     Input, KvEventBatch, LoadSample, RouteRequest, Stamped, StoredBlock, WorkerId,
 };
-use kvrouted::router::{Router, RouterConfig};
+use kvrouted::router::{Output, Router, RouterConfig};
 
 use kvrouted_testkit::counting_alloc::{self, Counting};
 
@@ -202,6 +202,50 @@ fn route_long_prompt(c: &mut Criterion) {
     group.finish();
 }
 
+/// A reservation given back: the release a gateway sends after each routed request, applied
+/// by the same single writer as the routes. Each timed release follows its route (untimed).
+fn release_after_route(c: &mut Criterion) {
+    let mut router = Router::new(config());
+    let mut seq = 0;
+    for w in 0..64 {
+        feed(&mut router, &mut seq, stored_batch(w, 100 + w as u64, 0));
+        feed(&mut router, &mut seq, load(w, 0.5));
+    }
+    let request = request(chain_locals((0..32).map(|i| (101u64 << 20) | i)));
+    let mut group = c.benchmark_group("release");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("a_routed_requests_reservation", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                seq += 1;
+                let routed = router.apply(&stamp(seq, Input::Route(request.clone())));
+                let Output::Routed(decision) = routed else {
+                    panic!("a fleet of 64 live workers has a candidate");
+                };
+                let reservation = decision.reservation;
+                seq += 1;
+                let input = stamp(
+                    seq,
+                    Input::Release {
+                        reservation,
+                        phase: None,
+                    },
+                );
+                let start = Instant::now();
+                let output = std::hint::black_box(router.apply(&input));
+                timed += start.elapsed();
+                assert!(
+                    matches!(output, Output::Released { found: true, .. }),
+                    "a route's reservation is known until it is released"
+                );
+            }
+            timed
+        });
+    });
+    group.finish();
+}
+
 /// 4,096 workers, each with a load sample, all holding the same 32-block prompt: every worker
 /// is an owner, the worst case of a prefix the whole fleet shares. The figure divided by 4,096
 /// is a decision's cost per owner.
@@ -288,7 +332,8 @@ criterion_group!(
     route_long_prompt,
     route_large_fleet,
     route_shared_prefix,
-    route_shared_first_block
+    route_shared_first_block,
+    release_after_route
 );
 
 fn main() {
