@@ -197,19 +197,25 @@ impl Router {
         now: u64,
         route: impl FnOnce() -> PeerRoute,
     ) -> Option<Box<PeerEvent>> {
-        if self.config.replica_id.is_empty() {
-            return None;
-        }
-        self.own_event(seq, now, PeerEventKind::Routed(route()))
+        self.own_event(seq, now, || PeerEventKind::Routed(route()))
     }
 
-    fn own_event(&self, seq: u64, now: u64, kind: PeerEventKind) -> Option<Box<PeerEvent>> {
+    /// An event of this replica's own for its peers, built only when it has peers: a kind made
+    /// up front and dropped unused was a copy of the whole enum (a route's size) on every
+    /// release of a router running alone, 4% of the peer bench's decision-and-release calls
+    /// at 256 workers in a profile.
+    fn own_event(
+        &self,
+        seq: u64,
+        now: u64,
+        kind: impl FnOnce() -> PeerEventKind,
+    ) -> Option<Box<PeerEvent>> {
         (!self.config.replica_id.is_empty()).then(|| {
             Box::new(PeerEvent {
                 replica: self.config.replica_id.clone(),
                 seq,
                 at_ms: now,
-                kind,
+                kind: kind(),
             })
         })
     }
@@ -229,7 +235,7 @@ impl Router {
             .reservations
             .release(&mut self.state.workers, reservation, phase);
         let peer_event = if found {
-            self.own_event(seq, now, PeerEventKind::Released { reservation, phase })
+            self.own_event(seq, now, || PeerEventKind::Released { reservation, phase })
         } else {
             None
         };
