@@ -200,10 +200,10 @@ impl Router {
         self.own_event(seq, now, || PeerEventKind::Routed(route()))
     }
 
-    /// An event of this replica's own for its peers, built only when it has peers: a kind made
-    /// up front and dropped unused was a copy of the whole enum (a route's size) on every
-    /// release of a router running alone, 4% of the peer bench's decision-and-release calls
-    /// at 256 workers in a profile.
+    /// An event of this replica's own for its peers, built only when it has peers. A kind made
+    /// up front and dropped unused was a copy of the whole enum (as large as a route's effects)
+    /// on every release of a router running alone: a sixth of a release's time in the core
+    /// bench.
     fn own_event(
         &self,
         seq: u64,
