@@ -9,6 +9,9 @@
 //! `--workers 16,256,1024,4096` (the default; kv-index stops at 1,024), `--reps N` (default 5), `--requests N` (first N trace lines only),
 //! `--only kvrouted,kv-index` (a subset of the indexes, e.g. to profile one).
 //!
+//! After each fleet size's table the run states the performance round's goals it can read off
+//! that table, met or missed (`goals.rs`).
+//!
 //! # The stream (precomputed once per worker count, then replayed through every index)
 //!
 //! - The Mooncake trace's `hash_ids` (512-token blocks; equal ids at the same position are the
@@ -57,6 +60,7 @@
 //! stay comparable, checked by the decision's matched depth). Neither is equivalent work to the
 //! three index rows; the second shows what the daemon's single writer pays per input.
 
+mod goals;
 mod subjects;
 mod workload;
 
@@ -371,6 +375,7 @@ fn main() {
             "{:<18} {:>13} {:>13} {:>9} {:>9} {:>12} {:>10}  notes",
             "index", "events/s", "lookups/s", "p50 ns", "p99 ns", "bytes/entry", "mismatch"
         );
+        let mut rows = Vec::new();
         for (i, name) in SUBJECTS.iter().enumerate() {
             let r = &reps[i];
             if r.is_empty() {
@@ -392,10 +397,24 @@ fn main() {
             if mismatches > 0 || errors > 0 {
                 println!("  WARNING: {name} disagreed with the expected answers or refused events: its figures are not comparable");
             }
+            rows.push(goals::Row {
+                name,
+                events_per_s: events,
+                lookups_per_s: lookups,
+                p99_ns: p99,
+                bytes_per_entry: per_entry,
+            });
             json_rows.push(format!(
                 "{{\"index\":\"{name}\",\"workers\":{workers},\"events_per_s\":{events:.0},\"lookups_per_s\":{lookups:.0},\"lookup_p50_ns\":{p50},\"lookup_p99_ns\":{p99},\"bytes_per_entry\":{per_entry:.1},\"bytes_per_distinct_block\":{per_distinct:.1},\"resident_entries\":{},\"mismatches\":{mismatches},\"errors\":{errors}}}",
                 stream.resident
             ));
+        }
+        let verdicts = goals::verdicts(workers, &rows);
+        if !verdicts.is_empty() {
+            println!("goals at {workers} workers (the best peer: the peer best on that figure):");
+            for line in verdicts {
+                println!("  {line}");
+            }
         }
     }
     println!(
