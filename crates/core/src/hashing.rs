@@ -19,20 +19,16 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 /// Seed of the per-block token hash.
 pub const LOCAL_SEED: u64 = 1337;
 
-/// Hash of one block's tokens, independent of its position.
-#[cfg(target_endian = "little")]
+/// Hash of one block's tokens, independent of its position: xxh3 of the tokens' little-endian
+/// bytes.
 pub fn local_hash(tokens: &[u32]) -> u64 {
-    // The tokens' in-memory bytes are their little-endian bytes on this target: hashed where
-    // they lie, with no copy (and no allocation for blocks past 64 tokens, such as 512-token
-    // blocks).
-    xxh3_64_with_seed(zerocopy::IntoBytes::as_bytes(tokens), LOCAL_SEED)
-}
-
-/// Hash of one block's tokens, independent of its position.
-#[cfg(not(target_endian = "little"))]
-pub fn local_hash(tokens: &[u32]) -> u64 {
-    // Tokens are hashed as their little-endian bytes; copying into a small stack buffer keeps
-    // this allocation-free for the usual block sizes.
+    if cfg!(target_endian = "little") {
+        // The tokens' in-memory bytes are their little-endian bytes: hashed where they lie, with
+        // no copy (and no allocation for blocks past 64 tokens, such as 512-token blocks).
+        return xxh3_64_with_seed(zerocopy::IntoBytes::as_bytes(tokens), LOCAL_SEED);
+    }
+    // Elsewhere the bytes are copied in little-endian order, into a small stack buffer for the
+    // usual block sizes.
     let mut buf = [0u8; 4 * 64];
     if tokens.len() <= 64 {
         for (chunk, t) in buf.chunks_exact_mut(4).zip(tokens) {
