@@ -58,18 +58,12 @@ pub(crate) fn verdicts(workers: usize, rows: &[Row]) -> Vec<String> {
     };
     // The peer best on one figure: (its name, its value).
     let best = |value: fn(&Row) -> f64, higher_is_better: bool| {
-        peers.iter().map(|r| (r.name, value(r))).reduce(|a, b| {
-            let b_better = if higher_is_better {
-                b.1 > a.1
-            } else {
-                b.1 < a.1
-            };
-            if b_better {
-                b
-            } else {
-                a
-            }
-        })
+        let scored = peers.iter().map(|r| (r.name, value(r)));
+        if higher_is_better {
+            scored.max_by(|a, b| a.1.total_cmp(&b.1))
+        } else {
+            scored.min_by(|a, b| a.1.total_cmp(&b.1))
+        }
     };
     if COMPARED_FLEETS.contains(&workers) {
         if let Some((peer, events)) = best(|r| r.events_per_s, true) {
