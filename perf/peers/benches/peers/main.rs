@@ -7,7 +7,8 @@
 //! `--trace PATH` (or env `PEERS_TRACE`; default `../shared/traces/conversation_trace.jsonl`
 //! relative to the crate root), `--dup N` (default 8), `--capacity BLOCKS` (default 4096),
 //! `--workers 16,256,1024,4096` (the default; kv-index stops at 1,024), `--reps N` (default 5), `--requests N` (first N trace lines only),
-//! `--only kvrouted,kv-index` (a subset of the indexes, e.g. to profile one).
+//! `--only kvrouted,kv-index` (a subset of the indexes, e.g. to profile one); `--help` lists them.
+//! An unknown option or index name stops the run with the usage.
 //!
 //! After each fleet size's table the run states the performance round's goals it can read off
 //! that table, met or missed (`goals.rs`).
@@ -101,6 +102,28 @@ struct Options {
     only: Option<Vec<String>>,
 }
 
+const USAGE: &str = "\
+kvrouted's index side by side with the public Rust KV indexers, on one KV event stream.
+
+Usage: cargo bench --bench peers -- [OPTIONS]
+
+Options:
+  --trace PATH          Mooncake JSONL trace (env PEERS_TRACE; default
+                        ../shared/traces/conversation_trace.jsonl beside the repository)
+  --dup N               copies of the trace, as tenants with disjoint ids [default: 8]
+  --capacity BLOCKS     blocks each worker holds [default: 4096]
+  --workers N,N,...     fleet sizes [default: 16,256,1024,4096; kv-index stops at 1024]
+  --reps N              repetitions per index; medians are reported [default: 5]
+  --requests N          replay only the trace's first N requests
+  --only NAME,NAME,...  run only these indexes (e.g. to profile one)
+  -h, --help            print this and exit";
+
+/// Stops the run on a bad command line: the problem, then the usage.
+fn usage_error(problem: &str) -> ! {
+    eprintln!("error: {problem}\n\n{USAGE}");
+    std::process::exit(2);
+}
+
 fn options() -> Options {
     let default_trace = std::env::var("PEERS_TRACE")
         .map(PathBuf::from)
@@ -120,32 +143,63 @@ fn options() -> Options {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
-        let value = args.get(i + 1).cloned().unwrap_or_default();
-        let num = |v: &str| -> usize {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{}: expected a number, got {v:?}", args[i]))
+        let flag = args[i].as_str();
+        let value = || -> &str {
+            args.get(i + 1)
+                .unwrap_or_else(|| usage_error(&format!("{flag} needs a value")))
         };
-        match args[i].as_str() {
-            "--trace" => o.trace = PathBuf::from(&value),
-            "--dup" => o.dup = num(&value) as u64,
-            "--capacity" => o.capacity = num(&value),
-            "--reps" => o.reps = num(&value),
-            "--requests" => o.requests = Some(num(&value)),
-            "--workers" => o.workers = value.split(',').map(num).collect(),
-            "--only" => o.only = Some(value.split(',').map(str::to_owned).collect()),
-            // `cargo bench` passes `--bench`; anything else unknown is ignored the same way.
-            _ => {
+        let num = || -> usize {
+            let v = value();
+            v.parse()
+                .unwrap_or_else(|_| usage_error(&format!("{flag}: expected a number, got {v:?}")))
+        };
+        match flag {
+            // `cargo bench` passes `--bench` to every bench binary.
+            "--bench" => {
                 i += 1;
                 continue;
             }
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--trace" => o.trace = PathBuf::from(value()),
+            "--dup" => o.dup = num() as u64,
+            "--capacity" => o.capacity = num(),
+            "--reps" => o.reps = num(),
+            "--requests" => o.requests = Some(num()),
+            "--workers" => {
+                o.workers = value()
+                    .split(',')
+                    .map(|n| {
+                        n.parse().unwrap_or_else(|_| {
+                            usage_error(&format!("--workers: expected numbers, got {n:?}"))
+                        })
+                    })
+                    .collect()
+            }
+            "--only" => {
+                let only: Vec<String> = value().split(',').map(str::to_owned).collect();
+                if let Some(unknown) = only.iter().find(|n| !SUBJECTS.contains(&n.as_str())) {
+                    usage_error(&format!(
+                        "--only: no index is called {unknown:?} (the indexes: {})",
+                        SUBJECTS.join(", ")
+                    ));
+                }
+                o.only = Some(only);
+            }
+            other => usage_error(&format!("unknown option {other:?}")),
         }
         i += 2;
     }
-    assert!(o.dup >= 1 && o.capacity >= 1 && o.reps >= 1, "bad options");
-    assert!(
-        o.workers.iter().all(|&n| (1..=MAX_WORKERS).contains(&n)),
-        "workers: 1 to {MAX_WORKERS}"
-    );
+    if o.dup == 0 || o.capacity == 0 || o.reps == 0 {
+        usage_error("--dup, --capacity and --reps must be at least 1");
+    }
+    if !o.workers.iter().all(|&n| (1..=MAX_WORKERS).contains(&n)) {
+        usage_error(&format!(
+            "--workers: each fleet size from 1 to {MAX_WORKERS}"
+        ));
+    }
     o
 }
 
