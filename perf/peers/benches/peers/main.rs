@@ -3,12 +3,13 @@
 //! threaded), `PositionalIndexer` (called directly) and the two backends Dynamo deploys behind
 //! `ThreadPoolIndexer` (`PositionalIndexer` and `ConcurrentRadixTreeCompressed`).
 //!
-//! Run: `cargo bench --bench peers` (release; about a minute on 2 cores). Options, after `--`:
-//! `--trace PATH` (or env `PEERS_TRACE`; default `../shared/traces/conversation_trace.jsonl`
-//! relative to the crate root), `--dup N` (default 8), `--capacity BLOCKS` (default 4096),
-//! `--workers 16,256,1024,4096` (the default; kv-index stops at 1,024), `--reps N` (default 5), `--requests N` (first N trace lines only),
-//! `--only kvrouted,kv-index` (a subset of the indexes, e.g. to profile one); `--help` lists them.
-//! An unknown option or index name stops the run with the usage.
+//! Run: `cargo bench --bench peers` (release; about a minute on 2 cores). Options, after `--`
+//! (`-- --help` lists them; an unknown option or index name stops the run): `--trace PATH` (or
+//! env `PEERS_TRACE`; default `../shared/traces/conversation_trace.jsonl` relative to the
+//! crate root), `--dup N` (default 8), `--capacity BLOCKS` (default 4096), `--workers
+//! 16,256,1024,4096` (the default; kv-index stops at 1,024), `--reps N` (default 5),
+//! `--requests N` (first N trace lines only), `--only kvrouted,kv-index` (a subset of the
+//! indexes, e.g. to profile one).
 //!
 //! After each fleet size's table the run states the performance round's goals it can read off
 //! that table, met or missed (`goals.rs`).
@@ -68,6 +69,7 @@ mod workload;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use clap::Parser;
 use kvrouted::sim::percentile;
 use subjects::*;
 use workload::*;
@@ -91,116 +93,57 @@ fn live() -> usize {
 const KV_INDEX_MAX_WORKERS: usize = 1024;
 const MAX_WORKERS: usize = 16_384;
 
+/// Command-line options (after `--` in `cargo bench --bench peers -- ...`).
+#[derive(Parser)]
+#[command(
+    name = "peers",
+    about = "kvrouted's index side by side with the public Rust KV indexers, on one KV event stream"
+)]
 struct Options {
+    /// Mooncake JSONL trace
+    #[arg(long, value_name = "PATH", env = "PEERS_TRACE", default_value = DEFAULT_TRACE)]
     trace: PathBuf,
-    dup: u64,
+    /// Copies of the trace, replayed as tenants with disjoint block ids
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
+    dup: usize,
+    /// Blocks each worker holds
+    #[arg(long, value_name = "BLOCKS", default_value_t = 4096, value_parser = at_least_one)]
     capacity: usize,
+    /// Fleet sizes (kv-index has no row above 1,024 workers, its limit)
+    #[arg(long, value_delimiter = ',', default_value = "16,256,1024,4096", value_parser = fleet_size)]
     workers: Vec<usize>,
+    /// Repetitions per index; medians are reported
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     reps: usize,
+    /// Replay only the trace's first N requests
+    #[arg(long, value_name = "N")]
     requests: Option<usize>,
-    /// Only these indexes (for profiling one of them).
+    /// Only these indexes (for profiling one of them)
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SUBJECTS))]
     only: Option<Vec<String>>,
+    /// Passed by `cargo bench`; ignored
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
-const USAGE: &str = "\
-kvrouted's index side by side with the public Rust KV indexers, on one KV event stream.
+/// The trace beside the repository (`../shared/traces/`); it is never copied into it.
+const DEFAULT_TRACE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../../shared/traces/conversation_trace.jsonl"
+);
 
-Usage: cargo bench --bench peers -- [OPTIONS]
-
-Options:
-  --trace PATH          Mooncake JSONL trace (env PEERS_TRACE; default
-                        ../shared/traces/conversation_trace.jsonl beside the repository)
-  --dup N               copies of the trace, as tenants with disjoint ids [default: 8]
-  --capacity BLOCKS     blocks each worker holds [default: 4096]
-  --workers N,N,...     fleet sizes [default: 16,256,1024,4096; kv-index stops at 1024]
-  --reps N              repetitions per index; medians are reported [default: 5]
-  --requests N          replay only the trace's first N requests
-  --only NAME,NAME,...  run only these indexes (e.g. to profile one)
-  -h, --help            print this and exit";
-
-/// Stops the run on a bad command line: the problem, then the usage.
-fn usage_error(problem: &str) -> ! {
-    eprintln!("error: {problem}\n\n{USAGE}");
-    std::process::exit(2);
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("expected a number of at least 1, got {v:?}")),
+    }
 }
 
-fn options() -> Options {
-    let default_trace = std::env::var("PEERS_TRACE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../../shared/traces/conversation_trace.jsonl")
-        });
-    let mut o = Options {
-        trace: default_trace,
-        dup: 8,
-        capacity: 4096,
-        workers: vec![16, 256, 1024, 4096],
-        reps: 5,
-        requests: None,
-        only: None,
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].as_str();
-        let value = || -> &str {
-            args.get(i + 1)
-                .unwrap_or_else(|| usage_error(&format!("{flag} needs a value")))
-        };
-        let num = || -> usize {
-            let v = value();
-            v.parse()
-                .unwrap_or_else(|_| usage_error(&format!("{flag}: expected a number, got {v:?}")))
-        };
-        match flag {
-            // `cargo bench` passes `--bench` to every bench binary.
-            "--bench" => {
-                i += 1;
-                continue;
-            }
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            "--trace" => o.trace = PathBuf::from(value()),
-            "--dup" => o.dup = num() as u64,
-            "--capacity" => o.capacity = num(),
-            "--reps" => o.reps = num(),
-            "--requests" => o.requests = Some(num()),
-            "--workers" => {
-                o.workers = value()
-                    .split(',')
-                    .map(|n| {
-                        n.parse().unwrap_or_else(|_| {
-                            usage_error(&format!("--workers: expected numbers, got {n:?}"))
-                        })
-                    })
-                    .collect()
-            }
-            "--only" => {
-                let only: Vec<String> = value().split(',').map(str::to_owned).collect();
-                if let Some(unknown) = only.iter().find(|n| !SUBJECTS.contains(&n.as_str())) {
-                    usage_error(&format!(
-                        "--only: no index is called {unknown:?} (the indexes: {})",
-                        SUBJECTS.join(", ")
-                    ));
-                }
-                o.only = Some(only);
-            }
-            other => usage_error(&format!("unknown option {other:?}")),
-        }
-        i += 2;
+fn fleet_size(v: &str) -> Result<usize, String> {
+    match v.parse() {
+        Ok(n) if (1..=MAX_WORKERS).contains(&n) => Ok(n),
+        _ => Err(format!("expected 1 to {MAX_WORKERS} workers, got {v:?}")),
     }
-    if o.dup == 0 || o.capacity == 0 || o.reps == 0 {
-        usage_error("--dup, --capacity and --reps must be at least 1");
-    }
-    if !o.workers.iter().all(|&n| (1..=MAX_WORKERS).contains(&n)) {
-        usage_error(&format!(
-            "--workers: each fleet size from 1 to {MAX_WORKERS}"
-        ));
-    }
-    o
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -375,7 +318,7 @@ fn timer_floor_ns() -> f64 {
 
 fn main() {
     let started = Instant::now();
-    let o = options();
+    let o = Options::parse();
     let trace = load_trace(&o.trace, o.requests);
     println!(
         "trace {} ({} requests{}), dup {}, capacity {} blocks/worker, reps {}, timer floor {:.0} ns subtracted per op; load average {}",
@@ -391,7 +334,7 @@ fn main() {
     let mut json_rows = Vec::new();
     for &workers in &o.workers {
         let t = Instant::now();
-        let stream = generate(&trace, workers, o.capacity, o.dup);
+        let stream = generate(&trace, workers, o.capacity, o.dup as u64);
         println!(
             "\n{workers} workers: {} lookups ({:.1}% hit, mean deepest match {:.1} blocks held by {:.1} workers, {:.1} workers with a match), {} stored + {} removed block events, {} (worker, block) entries / {} distinct blocks resident at the end (generated in {:.1} s)",
             stream.lookups,
