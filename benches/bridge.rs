@@ -2,9 +2,10 @@
 //! JetStream, side by side with a publisher that writes to NATS directly.
 //!
 //! Run: `cargo bench --bench bridge` (on demand; never part of `cargo test`). Options after
-//! `--`: `--batches N` (timed batches per throughput run, default 60000), `--probes N` (latency
-//! probes per path, default 300), `--max-seconds N` (watchdog, default 300). Needs
-//! `nats-server` (PATH, /usr/sbin, or `NATS_SERVER_BIN`).
+//! `--` (`-- --help` lists them; an unknown one stops the run): `--batches N` (timed batches per
+//! throughput run, default 60000), `--probes N` (latency probes per path, default 300),
+//! `--max-seconds N` (watchdog, default 300). Needs `nats-server` (PATH, /usr/sbin, or
+//! `NATS_SERVER_BIN`).
 //!
 //! 1. **Throughput.** The test engine (tests/engine: vLLM's `ZmqEventPublisher` framing and
 //!    replay) publishes `--batches` vLLM batches of 32 `BlockStored` blocks each as fast as its
@@ -25,6 +26,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use bytes::Bytes;
+use clap::builder::RangedU64ValueParser;
+use clap::Parser;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use kvrouted_testkit::engine::{EngineOptions, TestEngine};
 use kvrouted_testkit::{
@@ -49,13 +52,25 @@ fn start_nats() -> (Watched<Nats>, String) {
     (nats, url)
 }
 
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|v| v.parse().expect("a number"))
-        .unwrap_or(default)
+/// Command-line options (after `--` in `cargo bench --bench bridge -- ...`).
+#[derive(Parser)]
+#[command(
+    name = "bridge",
+    about = "What `kvrouted bridge` adds between an engine's ZeroMQ publisher and JetStream"
+)]
+struct Options {
+    /// Timed batches per throughput run
+    #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    batches: u64,
+    /// Latency probes per path
+    #[arg(long, default_value_t = 300, value_parser = RangedU64ValueParser::<usize>::new().range(1..=100_000))]
+    probes: usize,
+    /// The watchdog kills everything started and exits after this many seconds
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    max_seconds: u64,
+    /// Passed by `cargo bench`; ignored
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 /// Batch `i`: 32 chained blocks of distinct tokens.
@@ -128,12 +143,9 @@ async fn blocks_of(client: &reqwest::Client, http: SocketAddr, worker: &str) -> 
 
 #[tokio::main]
 async fn main() {
-    let n = arg("--batches", 60_000);
-    let probes = arg("--probes", 300) as usize;
-    start_watchdog(
-        "bridge bench",
-        Duration::from_secs(arg("--max-seconds", 300)),
-    );
+    let o = Options::parse();
+    let (n, probes) = (o.batches, o.probes);
+    start_watchdog("bridge bench", Duration::from_secs(o.max_seconds));
     let client = reqwest::Client::new();
 
     println!("bridge bench: {n} batches x {BLOCKS_PER_BATCH} blocks per throughput run, {probes} latency probes per path");

@@ -3,9 +3,9 @@
 //! 3-server nats-server cluster on loopback with the release daemon.
 //!
 //! Run: `cargo bench --bench replicas` (on demand, never part of `cargo test`); options after
-//! `--`: `--seconds N` (each routes round, default 5), `--rounds N` (default 3),
-//! `--concurrency N` (HTTP routes in flight, default 16). Needs `nats-server` (see
-//! `scripts/nats-server.sh`). Everything it starts is killed on exit.
+//! `--` (`-- --help` lists them; an unknown one stops the run): `--seconds N` (each routes round,
+//! default 5), `--rounds N` (default 3), `--concurrency N` (HTTP routes in flight, default 16).
+//! Needs `nats-server` (see `scripts/nats-server.sh`). Everything it starts is killed on exit.
 //!
 //! 1. **routes**: 64 workers each hold 8 prefixes of 64 blocks (KV events through the cluster);
 //!    routes of 1,024-token prompts extending those prefixes, at fixed concurrency, through
@@ -22,6 +22,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::builder::RangedU64ValueParser;
+use clap::Parser;
 use kvrouted::wire::encode_vllm_batch;
 use kvrouted_testkit::{gpu_blocks_stored, prompt, Daemon, NatsCluster, Worker};
 use serde_json::json;
@@ -30,39 +32,25 @@ const WORKERS: u32 = 64;
 const PREFIXES_PER_WORKER: u32 = 8;
 const PREFIX_BLOCKS: usize = 64;
 
+/// Command-line options (after `--` in `cargo bench --bench replicas -- ...`).
+#[derive(Parser)]
+#[command(
+    name = "replicas",
+    about = "Routes through one and two kvrouted replicas on a NATS cluster, and failover when a server dies"
+)]
 struct Options {
+    /// Seconds of each routes round
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
     seconds: u64,
+    /// Rounds of one replica and of two, taking turns
+    #[arg(long, default_value_t = 3, value_parser = RangedU64ValueParser::<usize>::new().range(1..=100))]
     rounds: usize,
+    /// HTTP routes in flight
+    #[arg(long, default_value_t = 16, value_parser = RangedU64ValueParser::<usize>::new().range(1..=4096))]
     concurrency: usize,
-}
-
-fn options() -> Options {
-    let mut o = Options {
-        seconds: 5,
-        rounds: 3,
-        concurrency: 16,
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < args.len() {
-        let value = || {
-            args.get(i + 1)
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or_else(|| panic!("{} takes a number", args[i]))
-        };
-        match args[i].as_str() {
-            "--seconds" => o.seconds = value(),
-            "--rounds" => o.rounds = value() as usize,
-            "--concurrency" => o.concurrency = value() as usize,
-            // cargo bench passes --bench
-            _ => {
-                i += 1;
-                continue;
-            }
-        }
-        i += 2;
-    }
-    o
+    /// Passed by `cargo bench`; ignored
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 async fn start_replica(url: &str, name: &str) -> Daemon {
@@ -113,7 +101,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let o = options();
+    let o = Options::parse();
     let mut cluster = NatsCluster::start().await;
     let a = start_replica(&cluster.url(0), "ra").await;
 
