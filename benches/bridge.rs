@@ -31,7 +31,7 @@ use clap::Parser;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
 use kvrouted_testkit::engine::{EngineOptions, TestEngine};
 use kvrouted_testkit::{
-    eventually, free_port, metric_at, start_watchdog, wait_for_port, Nats, Process, Watched,
+    free_port, metric_at, start_watchdog, wait_for_port, wait_ready_at, Nats, Process, Watched,
 };
 use tempfile::TempDir;
 
@@ -255,16 +255,7 @@ async fn main() {
         let _daemon = spawn(cmd, &dir.path().join("kvrouted.log"));
         wait_for_port(daemon_http.port(), "kvrouted");
         // The port opens while the state is still recovering, when /v1/workers answers 503.
-        eventually("kvrouted ready", || async {
-            let r = client
-                .get(format!("http://{daemon_http}/readyz"))
-                .send()
-                .await
-                .ok()?;
-            let v: serde_json::Value = r.json().await.ok()?;
-            (v["status"] == "ready").then_some(())
-        })
-        .await;
+        wait_ready_at(&client, &format!("http://{daemon_http}/readyz")).await;
         let nats = async_nats::connect(&url).await.unwrap();
         let js = jetstream::new(nats);
         let mut engine = TestEngine::start(EngineOptions::vllm()).await;

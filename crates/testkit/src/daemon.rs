@@ -309,17 +309,7 @@ impl Daemon {
     }
 
     pub async fn wait_ready(&self) {
-        let url = self.url("/readyz");
-        let client = self.client.clone();
-        eventually("/readyz says ready", || {
-            let (client, url) = (client.clone(), url.clone());
-            async move {
-                let r = client.get(&url).send().await.ok()?;
-                let v: Value = r.json().await.ok()?;
-                (v["status"] == "ready").then_some(())
-            }
-        })
-        .await;
+        wait_ready_at(&self.client, &self.url("/readyz")).await;
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
@@ -531,6 +521,18 @@ pub fn series_value(text: &str, series: &str) -> f64 {
                 .and_then(|rest| rest.trim().parse().ok())
         })
         .unwrap_or(0.0)
+}
+
+/// Polls `readyz_url` (a daemon's `/readyz`, for one not started as a [`Daemon`]) until it says
+/// `ready`: the state is recovered and ingest caught up. Its port opens earlier, while the API
+/// still answers 503.
+pub async fn wait_ready_at(client: &reqwest::Client, readyz_url: &str) {
+    eventually("/readyz says ready", || async {
+        let r = client.get(readyz_url).send().await.ok()?;
+        let v: Value = r.json().await.ok()?;
+        (v["status"] == "ready").then_some(())
+    })
+    .await;
 }
 
 /// The value of `series` on the `/metrics` of a plain-HTTP process at `http` (a bridge, a

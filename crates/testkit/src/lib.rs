@@ -42,7 +42,7 @@ pub mod worker;
 #[cfg(feature = "processes")]
 pub use daemon::{
     kvrouted, kvrouted_bin, kvrouted_command, metric_at, plain, replay_verify, run_to_exit,
-    series_value, Daemon,
+    series_value, wait_ready_at, Daemon,
 };
 #[cfg(feature = "processes")]
 pub use nats::{Nats, NatsCluster};
