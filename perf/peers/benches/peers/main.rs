@@ -110,7 +110,12 @@ struct Options {
     #[arg(long, value_name = "BLOCKS", default_value_t = 4096, value_parser = at_least_one)]
     capacity: usize,
     /// Fleet sizes (kv-index has no row above 1,024 workers, its limit)
-    #[arg(long, value_delimiter = ',', default_value = "16,256,1024,4096", value_parser = fleet_size)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16,256,1024,4096",
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_WORKERS as u64)
+    )]
     workers: Vec<usize>,
     /// Repetitions per index; medians are reported
     #[arg(long, default_value_t = 5, value_parser = at_least_one)]
@@ -136,13 +141,6 @@ fn at_least_one(v: &str) -> Result<usize, String> {
     match v.parse() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("expected a number of at least 1, got {v:?}")),
-    }
-}
-
-fn fleet_size(v: &str) -> Result<usize, String> {
-    match v.parse() {
-        Ok(n) if (1..=MAX_WORKERS).contains(&n) => Ok(n),
-        _ => Err(format!("expected 1 to {MAX_WORKERS} workers, got {v:?}")),
     }
 }
 
