@@ -1,8 +1,8 @@
-//! A data dir that stops taking writes (a full disk, made here without root by limiting the
-//! size of the files the daemon may write): the live state never moves ahead of the journal.
-//! The daemon refuses routes with a 503 and a counter, `/readyz` says why, the error log stays
-//! bounded, and SIGTERM ends it within the shutdown deadline with exit code 74 for a supervisor
-//! to restart it from the journal.
+//! A data dir that stops taking writes (a full disk, made here without root by a small tmpfs on
+//! the data dir in the daemon's own mount namespace): the live state never moves ahead of the
+//! journal. The daemon refuses routes with a 503 and a counter, `/readyz` says why, the error log
+//! stays bounded, and SIGTERM ends it within the shutdown deadline with exit code 74 for a
+//! supervisor to restart it from the journal.
 
 mod common;
 
@@ -12,9 +12,9 @@ use common::*;
 use kvrouted::input::LifecycleOp;
 use serde_json::{json, Value};
 
-/// Largest file the daemon may write: room for the start (sled's first segments), then a few
-/// hundred routes fill it.
-const FILE_SIZE_LIMIT: u64 = 6 << 20;
+/// Bytes the data dir holds: room for the start (sled's first segments), then a few hundred
+/// routes fill it.
+const DATA_DIR_CAPACITY: u64 = 8 << 20;
 
 /// The exit code of a daemon stopped by a storage fault (`EX_IOERR`), as documented.
 const EXIT_STORAGE_FAULT: i32 = 74;
@@ -33,7 +33,7 @@ async fn a_journal_that_cannot_be_written_stops_routing_and_ends_the_daemon_with
         &nats.url(),
         &["--soft-flush-interval", "5ms", "--shutdown-timeout", "5s"],
     );
-    daemon.file_size_limit = Some(FILE_SIZE_LIMIT);
+    daemon.data_dir_capacity = Some(DATA_DIR_CAPACITY);
     daemon.restart().await;
     // The join is published on the daemon's JetStream stream, which exists once it is ready.
     daemon.wait_ready().await;
@@ -52,7 +52,7 @@ async fn a_journal_that_cannot_be_written_stops_routing_and_ends_the_daemon_with
         answered += 1;
         assert!(
             answered < 2_000,
-            "files limited to {FILE_SIZE_LIMIT} bytes fill up with 36 KB journal entries"
+            "a data dir of {DATA_DIR_CAPACITY} bytes fills up with 36 KB journal entries"
         );
     };
     assert!(
