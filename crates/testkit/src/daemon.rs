@@ -63,7 +63,8 @@ pub fn run_to_exit(mut cmd: Command) -> (ExitStatus, String, String) {
 /// blob files it writes large leaves to alike, so the data dir fills after the same bytes whatever
 /// the pace of the writes. A per-file limit (`RLIMIT_FSIZE`) did not: leaves written as blobs
 /// left the log under it, and one run in CI answered 2,000 large routes without filling it. The
-/// mount goes away with the process; `data_dir` itself stays an empty directory.
+/// mount, and all the process wrote to it, go away with the process (a restart starts on an
+/// empty data dir); `data_dir` itself stays an empty directory.
 fn on_bounded_data_dir(cmd: &Command, data_dir: &Path, bytes: u64) -> Command {
     std::fs::create_dir_all(data_dir).unwrap();
     let mut bounded = Command::new("unshare");
