@@ -4,11 +4,11 @@
 //!
 //! Run: `cargo bench --bench e2e` (on demand; never part of `cargo test`). It takes about three
 //! minutes with the defaults, stops itself and kills everything it started (a watchdog kills the
-//! children and exits after `--max-seconds`). Options, after `--` (`-- --help` lists them): `--duration SECS` (each
-//! phase, default 8), `--publishers N` (NATS connections, default 4), `--workers-per-publisher N`
-//! (default 4), `--concurrency N` (HTTP requests in flight, default 16), `--window N`
-//! (unacknowledged JetStream publishes per connection, default 256), `--modes jetstream,core`,
-//! `--max-seconds N` (default 600). Needs `nats-server` on the PATH, in /usr/sbin, or at
+//! children and exits after `--max-seconds`). Options, after `--` (`-- --help` lists them):
+//! `--duration SECS` (each phase, default 8), `--publishers N` (NATS connections, default 4),
+//! `--workers-per-publisher N` (default 4), `--concurrency N` (HTTP requests in flight, default
+//! 16), `--window N` (unacknowledged JetStream publishes per connection, default 256), `--modes
+//! jetstream,core`, `--max-seconds N` (default 600). Needs `nats-server` on the PATH, in /usr/sbin, or at
 //! `NATS_SERVER_BIN`. `E2E_DAEMON_BIN` runs another build of the daemon (for an A/B comparison).
 //!
 //! Per NATS mode (JetStream, then core NATS with `--no-jetstream`), on a fresh broker and data
@@ -31,6 +31,8 @@
 //!    same prompts as `block_keys` (what a gateway that hashes tokens itself sends) at
 //!    concurrency 1, against the same floors with the same bodies.
 //! 5. **combined**: publishers and 1k–32k routes at once.
+//!
+//! Each mode ends with the round's end-to-end goals, met or missed ([`goals`]).
 //!
 //! The workload: 64 conversation prefixes of 32,768 tokens (2,048 blocks of 16). Each simulated
 //! worker stores prefixes one after another, one 32-block `BlockStored` per message, each chained
@@ -69,6 +71,7 @@ const BATCHES_PER_PREFIX: usize = PREFIX_TOKENS / BLOCK / BATCH_BLOCKS;
 const HELD_PREFIXES: usize = 8;
 
 mod floor;
+mod goals;
 mod http_load;
 mod metrics;
 mod mode;
@@ -80,6 +83,7 @@ mod report;
 mod workload;
 
 use floor::*;
+use goals::*;
 use http_load::*;
 use metrics::*;
 use mode::*;

@@ -203,7 +203,7 @@ pub(crate) async fn run_mode(
 
     // 3. Routes over the index the ingest phase built.
     let url = format!("http://{http}/v1/route");
-    {
+    let solo_p99_us = {
         let c0 = counters(&client, http).await;
         let window = pids.sample();
         let load = http_load(&url, mixed.clone(), o.concurrency, o.duration).await;
@@ -223,9 +223,11 @@ pub(crate) async fn run_mode(
             mode.name(),
             load_json(&load)
         ));
-    }
+        load.p99_us
+    };
 
     // 4. 4k-token routes against the HTTP floor, interleaved so both see the same machine.
+    let mut against_parse_floor = None;
     if let Some(floor) = floor {
         let runs = [
             (BodyKind::Tokens, 1),
@@ -237,7 +239,7 @@ pub(crate) async fn run_mode(
                 BodyKind::Tokens => four_k.clone(),
                 BodyKind::BlockKeys => four_k_keys.clone(),
             };
-            paired_4k(
+            let ratio = paired_4k(
                 o,
                 PairedTargets {
                     route: &url,
@@ -252,6 +254,9 @@ pub(crate) async fn run_mode(
                 tck,
             )
             .await;
+            if (kind, concurrency) == (BodyKind::Tokens, o.concurrency) {
+                against_parse_floor = Some(ratio);
+            }
         }
     }
 
@@ -276,12 +281,12 @@ pub(crate) async fn run_mode(
     let (d_cpu, n_cpu, b_cpu) = pids.usage(&window, tck);
     let (rss, hwm) = rss_mib(daemon.pid());
     daemon.assert_running();
+    let combined_ingest_per_s = (c1.stored + c1.removed - c0.stored - c0.removed) / secs;
     report.line(format!(
-        "combined: published {:.0} block events/s, the daemon applied {:.0}/s while serving",
+        "combined: published {:.0} block events/s, the daemon applied {combined_ingest_per_s:.0}/s while serving",
         (published.stored.load(Ordering::Relaxed) + published.removed.load(Ordering::Relaxed))
             as f64
             / secs,
-        (c1.stored + c1.removed - c0.stored - c0.removed) / secs
     ));
     report.line(load_line(
         &format!("routes 1k-32k tokens, concurrency {}", o.concurrency),
@@ -292,11 +297,21 @@ pub(crate) async fn run_mode(
         c1.decisions_since(&c0)
     ));
     report.json.push(format!(
-        "{{\"mode\":\"{}\",\"phase\":\"combined\",\"applied_events_per_s\":{:.0},\"load\":{},\"daemon_cores\":{d_cpu:.2},\"nats_cores\":{n_cpu:.2},\"daemon_peak_rss_mib\":{hwm:.0}}}",
+        "{{\"mode\":\"{}\",\"phase\":\"combined\",\"applied_events_per_s\":{combined_ingest_per_s:.0},\"load\":{},\"daemon_cores\":{d_cpu:.2},\"nats_cores\":{n_cpu:.2},\"daemon_peak_rss_mib\":{hwm:.0}}}",
         mode.name(),
-        (c1.stored + c1.removed - c0.stored - c0.removed) / secs,
         load_json(&load)
     ));
+    let goals = Goals {
+        ingest_per_s: applied_in_window,
+        solo_p99_us,
+        against_parse_floor,
+        combined_p99_us: load.p99_us,
+        combined_ingest_per_s,
+    };
+    report.line(format!("goals ({}):", mode.name()));
+    for line in goals.verdicts(o.concurrency) {
+        report.line(format!("  {line}"));
+    }
     drop(daemon);
     drop(nats);
 }

@@ -22,7 +22,8 @@ pub(crate) enum BodyKind {
 }
 
 /// 4k-token route requests at `concurrency` against kvrouted, the floor (fixed reply) and the
-/// floor that also parses the body; reports all three and kvrouted's own share.
+/// floor that also parses the body; reports all three and kvrouted's own share, and returns
+/// kvrouted's routes per second over those of the floor that parses.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn paired_4k(
     o: &Options,
@@ -33,7 +34,7 @@ pub(crate) async fn paired_4k(
     mode: Mode,
     report: &mut Report,
     tck: f64,
-) {
+) -> f64 {
     let urls = [
         targets.route.to_owned(),
         format!("http://{}/floor", targets.floor),
@@ -99,4 +100,5 @@ pub(crate) async fn paired_4k(
         share(route.mean_us, bare.mean_us),
         share(route.p50_us, parse.p50_us),
     ));
+    route.per_s / parse.per_s.max(1e-9)
 }
