@@ -8,8 +8,9 @@
 //! `--duration SECS` (each phase, default 8), `--publishers N` (NATS connections, default 4),
 //! `--workers-per-publisher N` (default 4), `--concurrency N` (HTTP requests in flight, default
 //! 16), `--window N` (unacknowledged JetStream publishes per connection, default 256), `--modes
-//! jetstream,core`, `--max-seconds N` (default 600). Needs `nats-server` on the PATH, in /usr/sbin, or at
-//! `NATS_SERVER_BIN`. `E2E_DAEMON_BIN` runs another build of the daemon (for an A/B comparison).
+//! jetstream,core`, `--max-seconds N` (default 600). Needs `nats-server` on the PATH, in
+//! /usr/sbin, or at `NATS_SERVER_BIN`. `E2E_DAEMON_BIN` runs another build of the daemon (for an
+//! A/B comparison).
 //!
 //! Per NATS mode (JetStream, then core NATS with `--no-jetstream`), on a fresh broker and data
 //! dir:

@@ -2,6 +2,7 @@
 
 use super::*;
 
+use clap::builder::RangedU64ValueParser;
 use clap::{Parser, ValueEnum};
 
 #[derive(Debug, Parser)]
@@ -11,13 +12,13 @@ pub(crate) struct Options {
     #[arg(long, value_name = "SECS", default_value = "8", value_parser = seconds)]
     pub(crate) duration: Duration,
     /// NATS publisher connections
-    #[arg(long, default_value_t = 4, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 4, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     pub(crate) publishers: usize,
     /// Simulated workers per publisher connection
-    #[arg(long, default_value_t = 4, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 4, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     pub(crate) workers_per_publisher: usize,
     /// HTTP requests in flight
-    #[arg(long, default_value_t = 16, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 16, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     pub(crate) concurrency: usize,
     /// Unacknowledged JetStream publishes per connection
     #[arg(long, default_value_t = 256)]
@@ -37,13 +38,6 @@ fn seconds(v: &str) -> Result<Duration, String> {
     v.parse()
         .map(Duration::from_secs)
         .map_err(|_| format!("expected whole seconds, got {v:?}"))
-}
-
-fn at_least_one(v: &str) -> Result<usize, String> {
-    match v.parse() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("expected a number of at least 1, got {v:?}")),
-    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]

@@ -69,6 +69,7 @@ mod workload;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use clap::builder::RangedU64ValueParser;
 use clap::Parser;
 use kvrouted::sim::percentile;
 use subjects::*;
@@ -104,21 +105,21 @@ struct Options {
     #[arg(long, value_name = "PATH", env = "PEERS_TRACE", default_value = DEFAULT_TRACE)]
     trace: PathBuf,
     /// Copies of the trace, replayed as tenants with disjoint block ids
-    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
-    dup: usize,
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    dup: u64,
     /// Blocks each worker holds
-    #[arg(long, value_name = "BLOCKS", default_value_t = 4096, value_parser = at_least_one)]
+    #[arg(long, value_name = "BLOCKS", default_value_t = 4096, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     capacity: usize,
     /// Fleet sizes (kv-index has no row above 1,024 workers, its limit)
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "16,256,1024,4096",
-        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_WORKERS as u64)
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_WORKERS as u64)
     )]
     workers: Vec<usize>,
     /// Repetitions per index; medians are reported
-    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 5, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     reps: usize,
     /// Replay only the trace's first N requests
     #[arg(long, value_name = "N")]
@@ -136,13 +137,6 @@ const DEFAULT_TRACE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../../shared/traces/conversation_trace.jsonl"
 );
-
-fn at_least_one(v: &str) -> Result<usize, String> {
-    match v.parse() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("expected a number of at least 1, got {v:?}")),
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Replay and report.
@@ -332,7 +326,7 @@ fn main() {
     let mut json_rows = Vec::new();
     for &workers in &o.workers {
         let t = Instant::now();
-        let stream = generate(&trace, workers, o.capacity, o.dup as u64);
+        let stream = generate(&trace, workers, o.capacity, o.dup);
         println!(
             "\n{workers} workers: {} lookups ({:.1}% hit, mean deepest match {:.1} blocks held by {:.1} workers, {:.1} workers with a match), {} stored + {} removed block events, {} (worker, block) entries / {} distinct blocks resident at the end (generated in {:.1} s)",
             stream.lookups,
