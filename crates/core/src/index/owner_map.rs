@@ -6,6 +6,7 @@
 //! owners costs one table probe and one indexed load, not a second hash lookup.
 
 use std::fmt;
+use std::ops::Range;
 
 use rustc_hash::FxHashMap;
 use serde::ser::{SerializeMap, SerializeStruct};
@@ -121,16 +122,63 @@ impl OwnerMap {
         Some(self.unpacked(self.inline.get(key)?, f))
     }
 
-    /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
-    /// owners or `visit` returns false (see [`KeyTable::walk`]).
+    /// Walks `keys` in order, handing `visit` each key's owners, until a key has no owners or
+    /// `visit` returns false. A run of consecutive keys with the same owner list (the usual
+    /// shape: the workers that stored a prompt's prefix each stored it whole) is handed over
+    /// twice, not once per key: its first key alone (`i..i + 1`) as soon as it is read, so the
+    /// caller can stop the walk there, then the rest of the run (`i + 1..end`) once a key with
+    /// other owners, or the walk's end, shows where the run stops.
+    ///
+    /// So each call says: these owners hold every key of the range. A caller counting each
+    /// owner's consecutive match from the first key extends a count that equals the range's
+    /// start to its end, and leaves any other count alone; that is the count a call per key
+    /// would give. A run of `n` keys then costs two passes over its owners, not `n`: a prefix
+    /// that hundreds of ranks share was a pass over all of them per key.
+    ///
+    /// Lists are compared as they are stored (same slots, same order), which is the cheap test;
+    /// two keys whose owners are the same set in another order are handed over one by one.
     pub fn walk(
         &self,
         keys: impl IntoIterator<Item = u64>,
-        mut visit: impl FnMut(usize, &[Slot]) -> bool,
+        mut visit: impl FnMut(Range<usize>, &[Slot]) -> bool,
     ) {
+        // The run being read: its first key's position and table value, and where it ends.
+        let mut run: Option<(usize, u64)> = None;
+        let mut end = 0;
+        let mut stopped = false;
         self.inline.walk(keys, |i, packed| {
-            self.unpacked(packed, |owners| visit(i, owners))
+            if let Some((first, repeated)) = run {
+                if self.same_owners(repeated, packed) {
+                    end = i + 1;
+                    return true;
+                }
+                if end > first + 1
+                    && !self.unpacked(repeated, |owners| visit(first + 1..end, owners))
+                {
+                    stopped = true;
+                    return false;
+                }
+            }
+            (run, end) = (Some((i, packed)), i + 1);
+            let go_on = self.unpacked(packed, |owners| visit(i..i + 1, owners));
+            stopped = !go_on;
+            go_on
         });
+        if let (Some((first, repeated)), false) = (run, stopped) {
+            if end > first + 1 {
+                self.unpacked(repeated, |owners| visit(first + 1..end, owners));
+            }
+        }
+    }
+
+    /// Whether two table values stand for the same owner list, slot for slot.
+    fn same_owners(&self, a: u64, b: u64) -> bool {
+        match (unpack(a), unpack(b)) {
+            ((OVERFLOW, x), (OVERFLOW, y)) => {
+                self.overflow[x as usize] == self.overflow[y as usize]
+            }
+            _ => a == b,
+        }
     }
 
     /// Distinct blocks with at least one owner.
@@ -225,6 +273,133 @@ impl<'de> Deserialize<'de> for OwnerMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Each call of a walk over `keys`: the positions and the owners handed over. The walk stops
+    /// where `stop_at` says (a position whose first call returns false).
+    fn walk_calls(
+        map: &OwnerMap,
+        keys: &[u64],
+        stop_at: Option<usize>,
+    ) -> Vec<(Range<usize>, Vec<Slot>)> {
+        let mut calls = Vec::new();
+        map.walk(keys.iter().copied(), |at, owners| {
+            let go_on = stop_at != Some(at.start);
+            calls.push((at, owners.to_vec()));
+            go_on
+        });
+        calls
+    }
+
+    /// Each slot's consecutive match from the first key, counted from a walk's calls as a
+    /// router counts it (a count equal to the range's start reaches its end), stopping at the
+    /// first call nobody continues; and the same counted key by key, the definition.
+    fn depths_by_runs(map: &OwnerMap, keys: &[u64]) -> Vec<u32> {
+        let mut depth = vec![0u32; 8];
+        map.walk(keys.iter().copied(), |at, owners| {
+            let mut any = false;
+            for &slot in owners {
+                let d = &mut depth[slot as usize];
+                if *d as usize == at.start {
+                    *d = at.end as u32;
+                }
+                any |= *d as usize == at.end;
+            }
+            any
+        });
+        depth
+    }
+
+    fn depths_key_by_key(map: &OwnerMap, keys: &[u64]) -> Vec<u32> {
+        let mut depth = vec![0u32; 8];
+        for (i, &key) in keys.iter().enumerate() {
+            let Some(any) = map.with_owners(key, |owners| {
+                let mut any = false;
+                for &slot in owners {
+                    let d = &mut depth[slot as usize];
+                    if *d as usize == i {
+                        *d += 1;
+                    }
+                    any |= *d as usize == i + 1;
+                }
+                any
+            }) else {
+                break;
+            };
+            if !any {
+                break;
+            }
+        }
+        depth
+    }
+
+    #[test]
+    fn a_run_of_keys_with_the_same_owners_is_handed_over_as_its_first_key_then_the_rest() {
+        let mut map = OwnerMap::default();
+        for key in 1..=3 {
+            for slot in [3, 1, 4] {
+                map.add(key, slot);
+            }
+        }
+        for key in 4..=5 {
+            for slot in [3, 1] {
+                map.add(key, slot);
+            }
+        }
+        map.add(6, 3);
+        let calls = walk_calls(&map, &[1, 2, 3, 4, 5, 6, 7], None);
+        assert_eq!(
+            calls,
+            vec![
+                (0..1, vec![3, 1, 4]),
+                (1..3, vec![3, 1, 4]),
+                (3..4, vec![3, 1]),
+                (4..5, vec![3, 1]),
+                (5..6, vec![3]),
+            ],
+            "a run's first key comes alone, the rest of it in one call once it ends; a key \
+             nobody holds ends the walk"
+        );
+        assert_eq!(
+            walk_calls(&map, &[1, 2, 3], None),
+            vec![(0..1, vec![3, 1, 4]), (1..3, vec![3, 1, 4])],
+            "a walk whose keys run out inside a run still hands over the rest of it"
+        );
+        let stopped = walk_calls(&map, &[1, 2, 3, 4, 5], Some(3));
+        assert_eq!(
+            stopped.last(),
+            Some(&(3..4, vec![3, 1])),
+            "a walk stopped at a run's first key hands over nothing of the run after it"
+        );
+        assert_eq!(
+            stopped.len(),
+            3,
+            "the runs before the stop are handed over whole"
+        );
+    }
+
+    proptest! {
+        /// Counting each owner's match from the runs gives the count key by key: whatever the
+        /// lists (inline or overflowed, a slot twice, the same set in another order) and
+        /// wherever the walk ends.
+        #[test]
+        fn depths_counted_from_runs_equal_depths_counted_key_by_key(
+            pool in prop::collection::vec(prop::collection::vec(0u32..8, 1..6), 1..4),
+            picks in prop::collection::vec(0usize..5, 1..24),
+        ) {
+            let mut map = OwnerMap::default();
+            // Key i + 1 gets the list its pick names; a pick past the pool leaves it absent.
+            for (i, &pick) in picks.iter().enumerate() {
+                if let Some(list) = pool.get(pick) {
+                    for &slot in list {
+                        map.add(i as u64 + 1, slot);
+                    }
+                }
+            }
+            let keys: Vec<u64> = (1..=picks.len() as u64).collect();
+            prop_assert_eq!(depths_by_runs(&map, &keys), depths_key_by_key(&map, &keys));
+        }
+    }
 
     fn owners(map: &OwnerMap, key: u64) -> Vec<Slot> {
         let mut v = map.with_owners(key, |o| o.to_vec()).unwrap_or_default();

@@ -1,5 +1,7 @@
 //! Authoritative ownership from KV events.
 
+use std::ops::Range;
+
 use super::key_table::{ahead, KeyTable};
 use super::owner_map::OwnerMap;
 use super::{NsId, Slot};
@@ -328,15 +330,17 @@ impl OwnerIndex {
         count
     }
 
-    /// For each key of `keys` in order, calls `visit(position, owners)` until a key has no
-    /// owners or `visit` returns false. Owners may repeat a slot (see [`Owners`]). The keys may
-    /// be produced as the walk goes: it draws them a few ahead of the one it reads (see
+    /// Walks `keys` in order until a key has no owners or `visit` returns false, calling
+    /// `visit(positions, owners)` with owners that hold every key of `positions`: a key alone,
+    /// or the rest of a run of keys with the same owners ([`OwnerMap::walk`] says how a caller
+    /// counts each owner's match from them). Owners may repeat a slot (see [`Owners`]). The keys
+    /// may be produced as the walk goes: it draws them a few ahead of the one it reads (see
     /// [`KeyTable::walk`](super::key_table::KeyTable::walk)).
     pub fn walk(
         &self,
         ns: NsId,
         keys: impl IntoIterator<Item = u64>,
-        visit: impl FnMut(usize, &[Slot]) -> bool,
+        visit: impl FnMut(Range<usize>, &[Slot]) -> bool,
     ) {
         if let Some(blocks) = self.blocks.get(ns as usize) {
             blocks.walk(keys, visit);

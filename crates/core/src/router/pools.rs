@@ -16,6 +16,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::ops::Range;
 
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
@@ -187,26 +188,29 @@ impl RouteScratch {
         }
     }
 
-    /// Extends each owner's consecutive match on tier `TIER` from position `i` to `i + 1`: a
-    /// depth only grows if it already covers every earlier key. Returns whether any rank still
-    /// matches, so the walk stops at the first key nobody continues.
+    /// Extends each owner's consecutive match on tier `TIER` over `keys`, positions its owners
+    /// all hold (one key, or the rest of a run with the same owners: [`OwnerIndex::walk`]): a
+    /// depth only grows if it already covers every key before them. Returns whether any rank
+    /// still matches, so the walk stops at the first key nobody continues.
     ///
     /// A row is written for this route only when its rank matches a first key, on some tier:
     /// a rank first met further on matched nothing before it and never will on this route, so
     /// every row of the route is a rank with a non-zero depth, listed once in `touched`.
+    ///
+    /// [`OwnerIndex::walk`]: crate::index::OwnerIndex::walk
     pub(super) fn extend<const TIER: usize>(
         &mut self,
-        i: usize,
+        keys: Range<usize>,
         owners: impl Iterator<Item = Slot>,
     ) -> bool {
-        let (route, i) = (self.route, i as u32);
+        let (route, start, end) = (self.route, keys.start as u32, keys.end as u32);
         let mut any = false;
         for slot in owners {
             let row = &mut self.rows[slot as usize];
             if row.route != route {
-                if i == 0 {
+                if start == 0 {
                     let mut depths = [0; 4];
-                    depths[TIER] = 1;
+                    depths[TIER] = end;
                     (row.depths, row.route) = (depths, route);
                     self.touched.push(slot);
                     any = true;
@@ -214,12 +218,14 @@ impl RouteScratch {
                 continue;
             }
             let depth = &mut row.depths[TIER];
-            *depth += u32::from(*depth == i);
+            if *depth == start {
+                *depth = end;
+            }
             // A slot can appear twice for one key (two engine hashes); it still counts once.
-            any |= *depth == i + 1;
+            any |= *depth == end;
         }
         if any {
-            self.deepest[TIER] = i + 1;
+            self.deepest[TIER] = end;
         }
         any
     }
@@ -670,7 +676,7 @@ mod tests {
     fn walk(scratch: &mut RouteScratch, keys: &[&[Slot]]) {
         scratch.prepare(8);
         for (i, owners) in keys.iter().enumerate() {
-            if !scratch.extend::<DEVICE>(i, owners.iter().copied()) {
+            if !scratch.extend::<DEVICE>(i..i + 1, owners.iter().copied()) {
                 break;
             }
         }
@@ -682,14 +688,14 @@ mod tests {
         scratch.prepare(8);
         let device: [&[Slot]; 3] = [&[1], &[1, 3], &[1, 1]];
         for (i, owners) in device.iter().enumerate() {
-            assert!(scratch.extend::<DEVICE>(i, owners.iter().copied()));
+            assert!(scratch.extend::<DEVICE>(i..i + 1, owners.iter().copied()));
         }
         let host: [&[Slot]; 2] = [&[2, 1], &[2]];
         for (i, owners) in host.iter().enumerate() {
-            assert!(scratch.extend::<HOST>(i, owners.iter().copied()));
+            assert!(scratch.extend::<HOST>(i..i + 1, owners.iter().copied()));
         }
         assert!(
-            !scratch.extend::<DISK>(0, [].into_iter()),
+            !scratch.extend::<DISK>(0..1, [].into_iter()),
             "a key nobody holds ends the walk"
         );
         assert_eq!(
@@ -714,6 +720,28 @@ mod tests {
         );
         assert_eq!(scratch.deepest[DEVICE], 3, "the device walk reached key 3");
         assert_eq!(scratch.deepest[HOST], 2, "the host walk reached key 2");
+    }
+
+    #[test]
+    fn a_run_of_keys_extends_only_ranks_that_matched_every_key_before_it() {
+        let mut scratch = RouteScratch::default();
+        scratch.prepare(8);
+        assert!(scratch.extend::<DEVICE>(0..1, [1, 2].into_iter()));
+        assert!(scratch.extend::<DEVICE>(1..2, [1].into_iter()));
+        // Keys 2 to 4 held by ranks 1, 2 and 3: only rank 1 holds every key before them.
+        assert!(scratch.extend::<DEVICE>(2..5, [1, 2, 3].into_iter()));
+        assert_eq!(scratch.depths(1).0, 5, "rank 1 matches through the run");
+        assert_eq!(
+            scratch.depths(2).0,
+            1,
+            "rank 2 missed key 1: the run adds nothing"
+        );
+        assert_eq!(scratch.depths(3).0, 0, "rank 3 never held the first key");
+        assert_eq!(scratch.deepest[DEVICE], 5, "the walk reached the run's end");
+        assert!(
+            !scratch.extend::<DEVICE>(5..7, [2, 3].into_iter()),
+            "a run nobody continues ends the walk"
+        );
     }
 
     /// An active worker entry of model `m` with `reserved_work` 7, as the worker table makes it.

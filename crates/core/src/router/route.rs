@@ -3,7 +3,8 @@
 //! owner of a spill) inside the same transition.
 //!
 //! The normal path costs the matched owners and the sampled candidates, never the fleet: the
-//! walks write depths into reused per-rank rows and list the ranks they touched, the policy sees
+//! walks write depths into reused per-rank rows (a run of keys with the same owners at once,
+//! not key by key) and list the ranks they touched, the policy sees
 //! views of those ranks only, and power-of-two draws come from the fleet's pools
 //! ([`super::pools`]). Explain rows and the baseline policies still view every worker.
 
@@ -38,23 +39,23 @@ impl Router {
         let Some(ns) = ns else {
             return;
         };
-        state.index.walk(ns, keys.iter().copied(), |i, owners| {
-            scratch.extend::<DEVICE>(i, owners.iter().copied())
+        state.index.walk(ns, keys.iter().copied(), |at, owners| {
+            scratch.extend::<DEVICE>(at, owners.iter().copied())
         });
         state
             .lower
             .host
-            .walk(ns, keys.iter().copied(), |i, owners| {
-                scratch.extend::<HOST>(i, owners.iter().copied())
+            .walk(ns, keys.iter().copied(), |at, owners| {
+                scratch.extend::<HOST>(at, owners.iter().copied())
             });
         state
             .lower
             .disk
-            .walk(ns, keys.iter().copied(), |i, owners| {
-                scratch.extend::<DISK>(i, owners.iter().copied())
+            .walk(ns, keys.iter().copied(), |at, owners| {
+                scratch.extend::<DISK>(at, owners.iter().copied())
             });
         state.approx.walk(ns, keys, now, |i, owners| {
-            scratch.extend::<APPROX>(i, owners)
+            scratch.extend::<APPROX>(i..i + 1, owners)
         });
     }
 
@@ -77,9 +78,11 @@ impl Router {
         };
         let depth_of = |tier: &OwnerIndex| {
             let mut depth = 0;
-            tier.walk(ns, keys.iter().copied(), |i, owners| {
-                let continues = depth as usize == i && owners.contains(&slot);
-                depth += u32::from(continues);
+            tier.walk(ns, keys.iter().copied(), |at, owners| {
+                let continues = depth as usize == at.start && owners.contains(&slot);
+                if continues {
+                    depth = at.end as u32;
+                }
                 continues
             });
             depth

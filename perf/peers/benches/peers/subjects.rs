@@ -2,6 +2,7 @@
 //! times them.
 
 use std::hint::black_box;
+use std::ops::Range;
 use std::time::Instant;
 
 use kvrouted::hashing::{chain_locals, chained};
@@ -124,15 +125,18 @@ pub(crate) fn ns_since(t: Tick) -> u64 {
     (ticks as f64 * c.ns_per_tick) as u64
 }
 
-/// The per-worker consecutive match, as `Router::depths` computes it from `OwnerIndex::walk`.
-pub(crate) fn extend_depths(depth: &mut [u32], i: usize, owners: &[u32]) -> bool {
+/// The per-worker consecutive match, as the router's walk counts it from `OwnerIndex::walk`:
+/// `owners` hold every key of `keys` (one key, or the rest of a run of keys with the same
+/// owners), so a worker matching every key before them now matches through them.
+pub(crate) fn extend_depths(depth: &mut [u32], keys: Range<usize>, owners: &[u32]) -> bool {
+    let (start, end) = (keys.start as u32, keys.end as u32);
     let mut any = false;
     for &slot in owners {
         let d = &mut depth[slot as usize];
-        if *d as usize == i {
-            *d += 1;
+        if *d == start {
+            *d = end;
         }
-        any |= *d as usize == i + 1;
+        any |= *d == end;
     }
     any
 }
@@ -189,16 +193,16 @@ impl<const KEYS_GIVEN: bool> Subject for Kvrouted<KEYS_GIVEN> {
         self.depth.fill(0);
         let d = &mut self.depth;
         if KEYS_GIVEN {
-            self.index.walk(0, self.keys.iter().copied(), |i, owners| {
-                extend_depths(d, i, owners)
+            self.index.walk(0, self.keys.iter().copied(), |at, owners| {
+                extend_depths(d, at, owners)
             });
         } else {
             // Chains each key as the walk draws it (a few ahead of the one it reads, so a long
             // match's probes overlap) and stops at the first block no worker continues, as the
             // peers stop walking content hashes.
             self.index
-                .walk(0, chained(None, locals.iter().copied()), |i, owners| {
-                    extend_depths(d, i, owners)
+                .walk(0, chained(None, locals.iter().copied()), |at, owners| {
+                    extend_depths(d, at, owners)
                 });
         }
         let ns = ns_since(t);
