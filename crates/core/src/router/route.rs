@@ -4,9 +4,9 @@
 //!
 //! The normal path costs the matched owners and the sampled candidates, never the fleet: the
 //! walks write depths into reused per-rank rows (a run of keys with the same owners at once,
-//! not key by key) and list the ranks they touched, the policy sees
-//! views of those ranks only, and power-of-two draws come from the fleet's pools
-//! ([`super::pools`]). Explain rows and the baseline policies still view every worker.
+//! not key by key) and list the ranks they touched, the policy sees views of those ranks only,
+//! and power-of-two draws come from the fleet's pools ([`super::pools`]). Explain rows and the
+//! baseline policies still view every worker.
 
 use super::pools::{
     Classes, RankRow, RouteBuffers, RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST,
