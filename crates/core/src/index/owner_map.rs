@@ -143,9 +143,9 @@ impl OwnerMap {
         mut visit: impl FnMut(Range<usize>, &[Slot]) -> bool,
     ) {
         // The run being read: its first key's position and table value, and where it ends.
+        // `None` once the caller stopped the walk inside a run, so its rest is not handed over.
         let mut run: Option<(usize, u64)> = None;
         let mut end = 0;
-        let mut stopped = false;
         self.inline.walk(keys, |i, packed| {
             if let Some((first, repeated)) = run {
                 if self.same_owners(repeated, packed) {
@@ -155,19 +155,15 @@ impl OwnerMap {
                 if end > first + 1
                     && !self.unpacked(repeated, |owners| visit(first + 1..end, owners))
                 {
-                    stopped = true;
+                    run = None;
                     return false;
                 }
             }
             (run, end) = (Some((i, packed)), i + 1);
-            let go_on = self.unpacked(packed, |owners| visit(i..i + 1, owners));
-            stopped = !go_on;
-            go_on
+            self.unpacked(packed, |owners| visit(i..i + 1, owners))
         });
-        if let (Some((first, repeated)), false) = (run, stopped) {
-            if end > first + 1 {
-                self.unpacked(repeated, |owners| visit(first + 1..end, owners));
-            }
+        if let Some((first, repeated)) = run.filter(|&(first, _)| end > first + 1) {
+            self.unpacked(repeated, |owners| visit(first + 1..end, owners));
         }
     }
 
@@ -364,6 +360,11 @@ mod tests {
             walk_calls(&map, &[1, 2, 3], None),
             vec![(0..1, vec![3, 1, 4]), (1..3, vec![3, 1, 4])],
             "a walk whose keys run out inside a run still hands over the rest of it"
+        );
+        assert_eq!(
+            walk_calls(&map, &[1, 2, 3, 4, 5], Some(1)),
+            vec![(0..1, vec![3, 1, 4]), (1..3, vec![3, 1, 4])],
+            "a walk stopped on the rest of a run hands it over once and ends"
         );
         let stopped = walk_calls(&map, &[1, 2, 3, 4, 5], Some(3));
         assert_eq!(
