@@ -298,15 +298,12 @@ impl KeyTable {
             let home = self.home(self.entry(i).0);
             let fills = i.wrapping_sub(home) & mask >= i.wrapping_sub(hole) & mask;
             // Whether it fills the hole is a coin toss to the branch predictor, so it is chosen
-            // without a branch: the hole is written either way, with the entry or with what it
-            // already holds (a written bucket: the removed entry or one moved out of it).
-            let (tag, bucket) = select_unpredictable(
-                fills,
-                (self.tags[i], self.buckets[i]),
-                (self.tags[hole], self.buckets[hole]),
-            );
-            self.tags[hole] = tag;
-            self.buckets[hole] = bucket;
+            // without a branch: the entry is copied into the hole either way, and the hole only
+            // moves on to `i` when the entry may fill it. A copy that may not stays a copy of
+            // a used entry in a bucket nothing reads until a later entry fills it or the loop
+            // frees it: its contents are the hole's to lose.
+            self.tags[hole] = self.tags[i];
+            self.buckets[hole] = self.buckets[i];
             hole = select_unpredictable(fills, i, hole);
         }
         self.tags[hole] = FREE;
