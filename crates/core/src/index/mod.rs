@@ -20,6 +20,7 @@ mod slab;
 mod table_memory;
 
 pub use approx::ApproxIndex;
+pub use owner_map::extend_match;
 pub use owners::{IndexStats, OwnerIndex};
 
 use std::hash::{Hash, Hasher};

@@ -131,8 +131,8 @@ impl OwnerMap {
     ///
     /// So each call says: these owners hold every key of the range. A caller counting each
     /// owner's consecutive match from the first key extends a count that equals the range's
-    /// start to its end, and leaves any other count alone; that is the count a call per key
-    /// would give. A run of `n` keys then costs two passes over its owners, not `n`: a prefix
+    /// start to its end, and leaves any other count alone ([`extend_match`]); that is the count
+    /// a call per key would give. A run of `n` keys then costs two passes over its owners, not `n`: a prefix
     /// that hundreds of ranks share was a pass over all of them per key.
     ///
     /// Lists are compared as they are stored (same slots, same order), which is the cheap test;
@@ -181,6 +181,20 @@ impl OwnerMap {
     pub fn len(&self) -> usize {
         self.inline.len()
     }
+}
+
+/// The walk's counting rule ([`OwnerMap::walk`]) for one owner's consecutive match from the
+/// first key: a count that has reached `keys.start` (the owner held every key before the range)
+/// reaches `keys.end`, and any other count stays. Returns whether the count now covers the
+/// range, that is, whether the owner continues the match.
+#[inline]
+pub fn extend_match(count: &mut u32, keys: &Range<usize>) -> bool {
+    // Compared as `u32`s: inlined in a loop over owners, the two casts are made once.
+    let (start, end) = (keys.start as u32, keys.end as u32);
+    if *count == start {
+        *count = end;
+    }
+    *count == end
 }
 
 impl fmt::Debug for OwnerMap {
@@ -287,19 +301,15 @@ mod tests {
         calls
     }
 
-    /// Each slot's consecutive match from the first key, counted from a walk's calls as a
-    /// router counts it (a count equal to the range's start reaches its end), stopping at the
-    /// first call nobody continues; and the same counted key by key, the definition.
+    /// Each slot's consecutive match from the first key, counted from a walk's calls by
+    /// [`extend_match`], stopping at the first call nobody continues; and the same counted key
+    /// by key, the definition.
     fn depths_by_runs(map: &OwnerMap, keys: &[u64]) -> Vec<u32> {
         let mut depth = vec![0u32; 8];
         map.walk(keys.iter().copied(), |at, owners| {
             let mut any = false;
             for &slot in owners {
-                let d = &mut depth[slot as usize];
-                if *d as usize == at.start {
-                    *d = at.end as u32;
-                }
-                any |= *d as usize == at.end;
+                any |= extend_match(&mut depth[slot as usize], &at);
             }
             any
         });

@@ -22,7 +22,7 @@ use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
 use super::route::OwnerOrder;
-use crate::index::Slot;
+use crate::index::{extend_match, Slot};
 use crate::policy::{Fleet, PolicyConfig, Pool, WorkerView};
 use crate::workers::{Worker, WorkerState, Workers};
 
@@ -203,29 +203,25 @@ impl RouteScratch {
         keys: Range<usize>,
         owners: impl Iterator<Item = Slot>,
     ) -> bool {
-        let (route, start, end) = (self.route, keys.start as u32, keys.end as u32);
+        let route = self.route;
         let mut any = false;
         for slot in owners {
             let row = &mut self.rows[slot as usize];
             if row.route != route {
-                if start == 0 {
+                if keys.start == 0 {
                     let mut depths = [0; 4];
-                    depths[TIER] = end;
+                    depths[TIER] = keys.end as u32;
                     (row.depths, row.route) = (depths, route);
                     self.touched.push(slot);
                     any = true;
                 }
                 continue;
             }
-            let depth = &mut row.depths[TIER];
-            if *depth == start {
-                *depth = end;
-            }
             // A slot can appear twice for one key (two engine hashes); it still counts once.
-            any |= *depth == end;
+            any |= extend_match(&mut row.depths[TIER], &keys);
         }
         if any {
-            self.deepest[TIER] = end;
+            self.deepest[TIER] = keys.end as u32;
         }
         any
     }

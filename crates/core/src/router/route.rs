@@ -12,6 +12,7 @@ use super::pools::{
     Classes, RankRow, RouteBuffers, RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST,
 };
 use super::*;
+use crate::index::extend_match;
 use crate::replicas::PeerRoute;
 
 /// A live rank a route views: its slot, its row and its depths (device or approximate; host;
@@ -79,11 +80,7 @@ impl Router {
         let depth_of = |tier: &OwnerIndex| {
             let mut depth = 0;
             tier.walk(ns, keys.iter().copied(), |at, owners| {
-                let continues = depth as usize == at.start && owners.contains(&slot);
-                if continues {
-                    depth = at.end as u32;
-                }
-                continues
+                owners.contains(&slot) && extend_match(&mut depth, &at)
             });
             depth
         };

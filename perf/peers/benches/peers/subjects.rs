@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use kvrouted::hashing::{chain_locals, chained};
-use kvrouted::index::OwnerIndex;
+use kvrouted::index::{extend_match, OwnerIndex};
 use kvrouted::input::{
     Input, KvEvent, KvEventBatch, Medium, RouteRequest, Stamped, StoredBlock, WorkerId,
 };
@@ -129,14 +129,9 @@ pub(crate) fn ns_since(t: Tick) -> u64 {
 /// `owners` hold every key of `keys` (one key, or the rest of a run of keys with the same
 /// owners), so a worker matching every key before them now matches through them.
 pub(crate) fn extend_depths(depth: &mut [u32], keys: Range<usize>, owners: &[u32]) -> bool {
-    let (start, end) = (keys.start as u32, keys.end as u32);
     let mut any = false;
     for &slot in owners {
-        let d = &mut depth[slot as usize];
-        if *d == start {
-            *d = end;
-        }
-        any |= *d == end;
+        any |= extend_match(&mut depth[slot as usize], &keys);
     }
     any
 }
