@@ -183,10 +183,12 @@ impl OwnerMap {
     }
 }
 
-/// The walk's counting rule ([`OwnerMap::walk`]) for one owner's consecutive match from the
+/// The walk's counting rule ([`OwnerIndex::walk`]) for one owner's consecutive match from the
 /// first key: a count that has reached `keys.start` (the owner held every key before the range)
 /// reaches `keys.end`, and any other count stays. Returns whether the count now covers the
 /// range, that is, whether the owner continues the match.
+///
+/// [`OwnerIndex::walk`]: super::OwnerIndex::walk
 #[inline]
 pub fn extend_match(count: &mut u32, keys: &Range<usize>) -> bool {
     // Compared as `u32`s: inlined in a loop over owners, the two casts are made once.

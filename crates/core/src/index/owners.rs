@@ -332,10 +332,10 @@ impl OwnerIndex {
 
     /// Walks `keys` in order until a key has no owners or `visit` returns false, calling
     /// `visit(positions, owners)` with owners that hold every key of `positions`: a key alone,
-    /// or the rest of a run of keys with the same owners ([`OwnerMap::walk`] says how a caller
-    /// counts each owner's match from them). Owners may repeat a slot (see [`Owners`]). The keys
-    /// may be produced as the walk goes: it draws them a few ahead of the one it reads (see
-    /// [`KeyTable::walk`](super::key_table::KeyTable::walk)).
+    /// or the rest of a run of keys with the same owners; [`extend_match`](super::extend_match)
+    /// counts each owner's match from them. Owners may repeat a slot (one entry per engine hash
+    /// of a worker that maps to the block). The keys may be produced as the walk goes: it draws
+    /// them a few ahead of the one it reads, so a caller may chain a prompt's keys as it goes.
     pub fn walk(
         &self,
         ns: NsId,
