@@ -299,9 +299,8 @@ impl KeyTable {
             let fills = i.wrapping_sub(home) & mask >= i.wrapping_sub(hole) & mask;
             // Whether it fills the hole is a coin toss to the branch predictor, so it is chosen
             // without a branch: the entry is copied into the hole either way, and the hole only
-            // moves on to `i` when the entry may fill it. A copy that may not stays a copy of
-            // a used entry in a bucket nothing reads until a later entry fills it or the loop
-            // frees it: its contents are the hole's to lose.
+            // moves on to `i` when the entry may fill it. When it may not, the copy is harmless:
+            // nothing reads the hole until a later entry is copied over it or the loop frees it.
             self.tags[hole] = self.tags[i];
             self.buckets[hole] = self.buckets[i];
             hole = select_unpredictable(fills, i, hole);
