@@ -49,7 +49,7 @@ pub struct Telemetry {
 /// entry starts a cache line and the id lies within one, the second. (Moving the id into the
 /// first line measured a little slower in the peer bench's 4,096-worker decisions, 18.6-19.2
 /// against 17.4-17.8 µs at the median, so the order stays.) The snapshot keeps its own field
-/// order ([`WorkerWire`]).
+/// order (`WorkerWire`, private to this module).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(from = "WorkerWire", into = "WorkerWire")]
 #[repr(C, align(64))]
