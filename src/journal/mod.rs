@@ -23,7 +23,7 @@ pub use export::{read_export, write_export, ExportReader};
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 
 use serde::{Deserialize, Serialize};
 
@@ -537,6 +537,32 @@ impl Journal {
     pub fn store_sealed(&self) -> Result<()> {
         let storing = locked(&self.pending.storing);
         self.pending.store_sealed(&storing)
+    }
+
+    /// As [`store_sealed`](Self::store_sealed), unless another caller is storing runs now. That
+    /// one stores until the queue is empty, so it takes these runs along; one that was about to
+    /// finish leaves them to the next store or flush, and past [`MAX_SEALED`] of them an
+    /// append stores them itself.
+    pub fn store_sealed_unless_busy(&self) -> Result<()> {
+        match self.pending.storing.try_lock() {
+            Ok(storing) => self.pending.store_sealed(&storing),
+            Err(TryLockError::WouldBlock) => Ok(()),
+            Err(TryLockError::Poisoned(poisoned)) => {
+                self.pending.store_sealed(&poisoned.into_inner())
+            }
+        }
+    }
+
+    /// Whether appends have sealed runs that are not in sled yet.
+    pub fn has_sealed(&self) -> bool {
+        self.pending.sealed_count() > 0
+    }
+
+    /// Holds off every store of runs for as long as the guard lives: for tests of who waits
+    /// on a busy sled.
+    #[cfg(test)]
+    pub(crate) fn hold_stores(&self) -> MutexGuard<'_, ()> {
+        locked(&self.pending.storing)
     }
 
     /// Runs sealed and not yet stored, and runs in sled: for tests of who stores them.

@@ -605,6 +605,49 @@ fn a_full_run_is_sealed_by_the_append_and_stored_by_store_sealed_or_any_read_or_
 }
 
 #[test]
+fn a_store_that_finds_another_under_way_leaves_the_runs_to_it_and_a_flush_stores_them() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    append_long_routes(&journal, 1..=60);
+    let sealed = journal.pending.sealed_count();
+    assert!(sealed >= 1, "60 entries of 2.3 KB fill at least one run");
+    std::thread::scope(|s| {
+        let busy = journal.hold_stores();
+        let (done, stored) = std::sync::mpsc::channel();
+        let journal = &journal;
+        s.spawn(move || done.send(journal.store_sealed_unless_busy().is_ok()));
+        assert_eq!(
+            stored.recv_timeout(std::time::Duration::from_secs(20)),
+            Ok(true),
+            "a store that finds another under way returns at once, without an error"
+        );
+        assert_eq!(
+            (journal.pending.sealed_count(), journal.entries.len()),
+            (sealed, 0),
+            "and leaves the sealed runs to the store under way"
+        );
+        drop(busy);
+    });
+    journal.store_sealed_unless_busy().unwrap();
+    assert_eq!(
+        (journal.pending.sealed_count(), journal.entries.len()),
+        (0, sealed),
+        "with no other store under way it stores every sealed run"
+    );
+    append_long_routes(&journal, 61..=120);
+    let busy = journal.hold_stores();
+    journal.store_sealed_unless_busy().unwrap();
+    assert!(journal.pending.sealed_count() >= 1);
+    drop(busy);
+    journal.flush().unwrap();
+    assert_eq!(
+        journal.entries_after(0).count(),
+        120,
+        "a flush stores what a store left to another, so every entry is read back"
+    );
+}
+
+#[test]
 fn appends_that_nobody_stores_keep_at_most_a_few_sealed_runs_in_memory() {
     let dir = tempfile::TempDir::new().unwrap();
     let journal = Journal::open(dir.path()).unwrap();
