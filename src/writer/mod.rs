@@ -221,7 +221,7 @@ impl WriterHandle {
     /// file of its own (a run is past sled's blob threshold), and on a route's task it held
     /// the runtime thread for that long, and with it the other requests the thread serves:
     /// with 4k-token routes at concurrency 16 the file's creation and write were a tenth of the
-    /// daemon's samples, and the routes' p99 was 3.5-5.2 ms on disk against 2.3 ms with the
+    /// daemon's samples, and the routes' p99 was 2.5-5.2 ms on disk against 2.3 ms with the
     /// data dir in memory (docs/performance.md, Round 5, thirty-first part).
     ///
     /// One store task at a time: the flag stays set from its scheduling until it has stored
