@@ -132,8 +132,8 @@ impl OwnerMap {
     /// So each call says: these owners hold every key of the range. A caller counting each
     /// owner's consecutive match from the first key extends a count that equals the range's
     /// start to its end, and leaves any other count alone ([`extend_match`]); that is the count
-    /// a call per key would give. A run of `n` keys then costs two passes over its owners, not `n`: a prefix
-    /// that hundreds of ranks share was a pass over all of them per key.
+    /// a call per key would give. A run of `n` keys then costs two passes over its owners, not
+    /// `n`: a prefix that hundreds of ranks share was a pass over all of them per key.
     ///
     /// Lists are compared as they are stored (same slots, same order), which is the cheap test;
     /// two keys whose owners are the same set in another order are handed over one by one.
