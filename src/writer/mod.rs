@@ -243,7 +243,7 @@ impl WriterHandle {
             self.store_scheduled.clone(),
         );
         tokio::task::spawn_blocking(move || loop {
-            store_sealed(&journal, &pending);
+            record_store(&pending, journal.store_sealed());
             scheduled.store(false, Ordering::Release);
             // A run sealed between the store and the clear found the flag still set and
             // scheduled nothing: this task takes it, unless a route already scheduled one.
@@ -369,12 +369,13 @@ pub fn apply_journaled(
     }
 }
 
-/// Stores the journal runs that appends sealed (see [`Journal::store_sealed`]), after the
-/// state's lock is let go: the sled insert of a run does not hold up the inputs waiting for it.
-/// A failed insert is a journal fault, as a failed append is: inputs are refused from then on,
-/// and the flush that would have covered the run fails, so nothing it held is acked.
-fn store_sealed(journal: &Journal, pending: &PendingAcks) {
-    if let Err(e) = journal.store_sealed() {
+/// Records how a store of the journal runs that appends sealed went ([`Journal::store_sealed`],
+/// made after the state's lock is let go, so the sled insert of a run does not hold up the
+/// inputs waiting for it). A failed insert is a journal fault, as a failed append is: inputs
+/// are refused from then on, and the flush that would have covered the run fails, so nothing
+/// it held is acked.
+fn record_store(pending: &PendingAcks, stored: crate::journal::Result<()>) {
+    if let Err(e) = stored {
         pending.fault().record("store", &e.to_string());
     }
 }
@@ -484,9 +485,7 @@ pub fn spawn(
                         }
                         // A run being stored by a gateway input's blocking task is not waited
                         // for: ingest goes on, and that task takes this input's runs along.
-                        if let Err(e) = store_journal.store_sealed_unless_busy() {
-                            pending.fault().record("store", &e.to_string());
-                        }
+                        record_store(&pending, store_journal.store_sealed_unless_busy());
                     }
                     Ok(Some(Command::Ack(ack))) => pending.queue_after_appended(ack),
                     Ok(Some(Command::Shutdown(done))) => break Some(done),
