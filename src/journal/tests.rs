@@ -567,8 +567,9 @@ fn a_dir_of_single_entries_from_schema_2_is_read_and_stamped_as_runs() {
     );
 }
 
-#[test]
-fn a_full_run_is_sealed_by_the_append_and_stored_by_store_sealed_or_any_read_or_flush() {
+/// A new journal (in its own temporary dir) with entries 1 to 60 appended, 2.3 KB each: at
+/// least one sealed run, none stored yet. Returns the dir, the journal and the runs sealed.
+fn journal_with_sealed_runs() -> (tempfile::TempDir, Journal, usize) {
     let dir = tempfile::TempDir::new().unwrap();
     let journal = Journal::open(dir.path()).unwrap();
     append_long_routes(&journal, 1..=60);
@@ -577,6 +578,12 @@ fn a_full_run_is_sealed_by_the_append_and_stored_by_store_sealed_or_any_read_or_
         sealed >= 1,
         "60 entries of 2.3 KB fill at least one run of {RUN_BYTES} bytes"
     );
+    (dir, journal, sealed)
+}
+
+#[test]
+fn a_full_run_is_sealed_by_the_append_and_stored_by_store_sealed_or_any_read_or_flush() {
+    let (_dir, journal, sealed) = journal_with_sealed_runs();
     assert_eq!(
         journal.entries.len(),
         0,
@@ -606,11 +613,7 @@ fn a_full_run_is_sealed_by_the_append_and_stored_by_store_sealed_or_any_read_or_
 
 #[test]
 fn a_store_that_finds_another_under_way_leaves_the_runs_to_it_and_a_flush_stores_them() {
-    let dir = tempfile::TempDir::new().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    append_long_routes(&journal, 1..=60);
-    let sealed = journal.pending.sealed_count();
-    assert!(sealed >= 1, "60 entries of 2.3 KB fill at least one run");
+    let (_dir, journal, sealed) = journal_with_sealed_runs();
     std::thread::scope(|s| {
         let busy = journal.hold_stores();
         let (done, stored) = std::sync::mpsc::channel();
