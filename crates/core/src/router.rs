@@ -7,7 +7,6 @@
 //! which is what makes the journal an audit log that can be replayed.
 
 use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;

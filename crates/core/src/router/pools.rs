@@ -18,6 +18,8 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::ops::Range;
 
+use rand_chacha::rand_core::block::BlockRng;
+use rand_chacha::ChaCha8Core;
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
@@ -66,7 +68,14 @@ pub(super) struct RouteBuffers {
     pub(super) views: Vec<WorkerView>,
     /// The route's owners in id order.
     pub(super) owner_order: OwnerOrder,
+    /// The generator of the route's random draws, reseeded by each route that draws (made at
+    /// the first draw; boxed, so taking the buffers out moves a pointer, not its 256-byte
+    /// buffer).
+    pub(super) draws: Option<Box<RouteDraws>>,
 }
+
+/// ChaCha8's generator as `ChaCha8Rng` is made of, kept to be reseeded in place.
+pub(super) type RouteDraws = BlockRng<ChaCha8Core>;
 
 /// One rank as a route reads it, in one cache line: its depths per tier, valid for the route
 /// it names, and a copy of the fields of its worker entry a view is made of. A wide decision

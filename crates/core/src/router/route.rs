@@ -9,11 +9,14 @@
 //! baseline policies still view every worker.
 
 use super::pools::{
-    Classes, RankRow, RouteBuffers, RouteFleet, RouteScratch, APPROX, DEVICE, DISK, HOST,
+    Classes, RankRow, RouteBuffers, RouteDraws, RouteFleet, RouteScratch, APPROX, DEVICE, DISK,
+    HOST,
 };
 use super::*;
 use crate::index::extend_match;
 use crate::replicas::PeerRoute;
+use rand_chacha::rand_core::block::BlockRng;
+use rand_chacha::ChaCha8Core;
 
 /// A live rank a route views: its slot, its row and its depths (device or approximate; host;
 /// disk), each read once.
@@ -264,6 +267,7 @@ impl Router {
             excluded,
             views,
             owner_order,
+            draws,
         } = &mut buffers;
         // Every live rank of an excluded worker, ascending: looked up per rank, so the cost of a
         // route does not grow with the product of the fleet and the exclude list.
@@ -344,7 +348,7 @@ impl Router {
             provisional: &provisional,
             fleet: sparse.then_some(&fleet as &dyn policy::Fleet),
         };
-        let mut rng = SeededOnDraw::new(seq);
+        let mut rng = SeededOnDraw::new(seq, draws);
         let choice = policy::decide(&self.config.policy, &mut policy_state, &view, &mut rng);
         let Some(choice) = choice else {
             self.state.policy = policy_state;
@@ -586,25 +590,42 @@ fn serves_model(worker_model: &Option<String>, requested: Option<&str>) -> bool 
 /// The route's random draws: ChaCha8 seeded with the input's sequence number, as every route
 /// has been since the first journal, so replays draw the same numbers. Seeding (and the first
 /// block of the stream) costs more than many a decision, and most decisions hold on an owner
-/// without drawing, so the generator is only made at the first draw.
-struct SeededOnDraw {
+/// without drawing, so the generator is only seeded at the first draw.
+///
+/// The generator is the router's own ([`RouteBuffers::draws`]), reseeded in place: `ChaCha8Rng`
+/// is this same [`BlockRng`] over [`ChaCha8Core`], and a fresh one per route zeroed its 256-byte
+/// output buffer and copied it twice on its way into the route (docs/performance.md, Round 5,
+/// thirty-second part). Reseeding replaces the cipher's state and marks the buffer used up, so
+/// the first draw computes the new seed's blocks and nothing of the last route's is read.
+struct SeededOnDraw<'a> {
     seed: u64,
-    rng: Option<ChaCha8Rng>,
+    seeded: bool,
+    generator: &'a mut Option<Box<RouteDraws>>,
 }
 
-impl SeededOnDraw {
-    fn new(seed: u64) -> Self {
-        SeededOnDraw { seed, rng: None }
+impl<'a> SeededOnDraw<'a> {
+    fn new(seed: u64, generator: &'a mut Option<Box<RouteDraws>>) -> Self {
+        SeededOnDraw {
+            seed,
+            seeded: false,
+            generator,
+        }
     }
 
-    fn rng(&mut self) -> &mut ChaCha8Rng {
-        let seed = self.seed;
-        self.rng
-            .get_or_insert_with(|| ChaCha8Rng::seed_from_u64(seed))
+    fn rng(&mut self) -> &mut RouteDraws {
+        let generator = self
+            .generator
+            .get_or_insert_with(|| Box::new(BlockRng::new(ChaCha8Core::from_seed([0; 32]))));
+        if !self.seeded {
+            generator.core = ChaCha8Core::seed_from_u64(self.seed);
+            generator.reset();
+            self.seeded = true;
+        }
+        generator
     }
 }
 
-impl rand::RngCore for SeededOnDraw {
+impl rand::RngCore for SeededOnDraw<'_> {
     fn next_u32(&mut self) -> u32 {
         self.rng().next_u32()
     }
@@ -622,13 +643,18 @@ impl rand::RngCore for SeededOnDraw {
 mod tests {
     use super::*;
     use rand::{Rng, RngCore};
+    use rand_chacha::ChaCha8Rng;
 
     #[test]
     fn seeding_on_the_first_draw_draws_what_seeding_up_front_draws() {
-        for seed in [0, 1, 7, u64::MAX] {
+        // One generator for every seed, as a router keeps it: what one route left in its
+        // buffer must not be read by the next.
+        let mut generator = None;
+        for seed in [0, 1, 7, u64::MAX, 7] {
             let mut eager = ChaCha8Rng::seed_from_u64(seed);
-            let mut lazy = SeededOnDraw::new(seed);
-            for round in 0..40 {
+            let mut lazy = SeededOnDraw::new(seed, &mut generator);
+            // Past one 64-word buffer, and across its end with a 64-bit draw.
+            for round in 0..70 {
                 let (a, b) = match round % 3 {
                     0 => (u64::from(eager.next_u32()), u64::from(lazy.next_u32())),
                     1 => (eager.next_u64(), lazy.next_u64()),
@@ -640,6 +666,15 @@ mod tests {
                 );
             }
         }
+        // A route that draws once, after one that drew a few words.
+        let mut few = SeededOnDraw::new(3, &mut generator);
+        few.next_u32();
+        let mut next = SeededOnDraw::new(4, &mut generator);
+        assert_eq!(
+            next.next_u64(),
+            ChaCha8Rng::seed_from_u64(4).next_u64(),
+            "a route's first draw starts its own seed's stream"
+        );
     }
 
     #[test]
