@@ -371,7 +371,8 @@ pub struct ServeArgs {
     /// Where the journal and snapshots live (sled)
     #[arg(long, env = "KVROUTED_DATA_DIR", default_value = "./kvrouted-data")]
     pub data_dir: PathBuf,
-    /// NATS subject prefix: <prefix>.events.<worker>, <prefix>.load.<worker>, <prefix>.workers.<worker>
+    /// NATS subject prefix: <prefix>.events.<worker>, <prefix>.load.<worker>,
+    /// <prefix>.workers.<worker>
     #[arg(long, env = "KVROUTED_SUBJECT_PREFIX", default_value = "kv")]
     pub subject_prefix: String,
     /// JetStream stream capturing KV events and lifecycle messages (created if missing)

@@ -1,4 +1,5 @@
-//! `kvrouted`: one binary, several subcommands (docs/architecture.md, "Command line and configuration").
+//! `kvrouted`: one binary, several subcommands (docs/architecture.md, "Command line and
+//! configuration").
 
 use std::ffi::OsString;
 use std::io::IsTerminal;

@@ -4,13 +4,12 @@
 //! `kvrouted_route_matched_blocks`, `kvrouted_prefix_owner_count`,
 //! `kvrouted_events_applied_total{kind}`, `kvrouted_inputs_rejected_total{reason}`,
 //! `kvrouted_event_seq_gaps_total`, `kvrouted_orphan_blocks_total`,
-//! `kvrouted_engine_restarts_total`, `kvrouted_departed_inputs_total`,
-//! `kvrouted_index_blocks`, `kvrouted_index_entries`,
-//! `kvrouted_workers{state}`, `kvrouted_worker_pressure{worker}`,
+//! `kvrouted_engine_restarts_total`, `kvrouted_departed_inputs_total`, `kvrouted_index_blocks`,
+//! `kvrouted_index_entries`, `kvrouted_workers{state}`, `kvrouted_worker_pressure{worker}`,
 //! `kvrouted_worker_reserved_work{worker}`, `kvrouted_nats_reconnects_total`,
 //! `kvrouted_ingest_lag_seconds`, `kvrouted_ingest_lost_deliveries_total{feed}` and
-//! `kvrouted_ingest_rewinds_total{feed}` (deliveries lost in transit, and the consumer rewinds
-//! that delivered them again in order), `kvrouted_journal_*` (`kvrouted_journal_errors_total`: failed
+//! `kvrouted_ingest_rewinds_total{feed}` (deliveries lost in transit, and the consumer rewinds that
+//! delivered them again in order), `kvrouted_journal_*` (`kvrouted_journal_errors_total`: failed
 //! journal writes; `kvrouted_journal_fault_refusals_total`: inputs refused after one); from peer
 //! replicas `kvrouted_peer_inputs_total{outcome}`, `kvrouted_peer_spills_coalesced_total`,
 //! `kvrouted_peer_reservation_conflicts_total`, `kvrouted_peer_early_releases_total`; and this

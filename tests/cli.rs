@@ -1,7 +1,8 @@
-//! The command line of docs/architecture.md, "Command line and configuration", from outside: `serve --help` documents every flag with its
-//! default; settings come from flags over the environment (`KVROUTED_...`) over a TOML file
-//! (`--config`), observed through the running daemon; bad configuration and a locked data dir
-//! stop the daemon at start with a non-zero exit and one clear line.
+//! The command line of docs/architecture.md, "Command line and configuration", from outside: `serve
+//! --help` documents every flag with its default; settings come from flags over the environment
+//! (`KVROUTED_...`) over a TOML file (`--config`), observed through the running daemon; bad
+//! configuration and a locked data dir stop the daemon at start with a non-zero exit and one clear
+//! line.
 mod common;
 
 use std::net::{SocketAddr, TcpStream};

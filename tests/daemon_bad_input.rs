@@ -1,7 +1,7 @@
-//! Bad input on every NATS subject and HTTP endpoint (docs/architecture.md, "Failure and bad input"): each is rejected with a
-//! clear error (HTTP: a status and a one-line `error`) or dropped with a counted reason
-//! (`kvrouted_inputs_rejected_total{reason}`), the daemon keeps running, and nothing already
-//! applied is lost or changed.
+//! Bad input on every NATS subject and HTTP endpoint (docs/architecture.md, "Failure and bad
+//! input"): each is rejected with a clear error (HTTP: a status and a one-line `error`) or dropped
+//! with a counted reason (`kvrouted_inputs_rejected_total{reason}`), the daemon keeps running, and
+//! nothing already applied is lost or changed.
 mod common;
 
 use common::*;

@@ -1,8 +1,9 @@
 //! The broker goes away under a running daemon and comes back on the same port with the same
-//! storage (docs/architecture.md, "Failure and bad input"): routes are served from the last known state throughout, readiness
-//! says degraded (and stays in rotation) meanwhile, and ingest resumes on both paths afterwards:
-//! KV events through the JetStream durable consumer, load samples on core NATS. A delivery the
-//! daemon never receives is delivered again within seconds, also the last of a burst.
+//! storage (docs/architecture.md, "Failure and bad input"): routes are served from the last known
+//! state throughout, readiness says degraded (and stays in rotation) meanwhile, and ingest resumes
+//! on both paths afterwards: KV events through the JetStream durable consumer, load samples on core
+//! NATS. A delivery the daemon never receives is delivered again within seconds, also the last of a
+//! burst.
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};

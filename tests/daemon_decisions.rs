@@ -1,5 +1,5 @@
-//! Every decision label of docs/architecture.md, "Policy", reached from outside the daemon: workers publish
-//! vLLM-format KV events (JetStream) and load samples (core NATS) on a real nats-server, a
+//! Every decision label of docs/architecture.md, "Policy", reached from outside the daemon: workers
+//! publish vLLM-format KV events (JetStream) and load samples (core NATS) on a real nats-server, a
 //! gateway routes over real HTTP, and `/metrics` counts each decision under its label.
 mod common;
 

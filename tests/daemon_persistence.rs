@@ -1,7 +1,8 @@
-//! Event sourcing end to end (docs/architecture.md: "Failure and bad input"; issue 4): a real nats-server with
-//! JetStream, the real `kvrouted` binary on a real sled data dir. The daemon is killed with
-//! SIGKILL in the middle of an event burst and stopped cleanly with SIGTERM; its journal is
-//! replayed, exported, questioned with counterfactual settings; broken data dirs are refused.
+//! Event sourcing end to end (docs/architecture.md: "Failure and bad input"; issue 4): a real
+//! nats-server with JetStream, the real `kvrouted` binary on a real sled data dir. The daemon is
+//! killed with SIGKILL in the middle of an event burst and stopped cleanly with SIGTERM; its
+//! journal is replayed, exported, questioned with counterfactual settings; broken data dirs are
+//! refused.
 mod common;
 
 use std::collections::{BTreeMap, HashMap};

@@ -1,4 +1,5 @@
-//! The simulator (docs/architecture.md, "Simulator"), driven through its library API: one behaviour per test.
+//! The simulator (docs/architecture.md, "Simulator"), driven through its library API: one behaviour
+//! per test.
 
 use clap::Parser;
 use kvrouted::policy::PolicyKind;

@@ -1,8 +1,8 @@
-//! The HTTP API (docs/architecture.md, "HTTP API"). Handlers are thin: parse and validate, hash tokens into block
-//! keys (outside the writer's lock), call the writer's typed API (applied on this task, see
-//! [`crate::writer`]), shape the reply. Every failure is one [`ApiError`]: a status and a
-//! one-line `error` JSON body. [`server`] serves them
-//! (connection cap, timeouts, TLS) and [`auth`] checks bearer tokens.
+//! The HTTP API (docs/architecture.md, "HTTP API"). Handlers are thin: parse and validate, hash
+//! tokens into block keys (outside the writer's lock), call the writer's typed API (applied on this
+//! task, see [`crate::writer`]), shape the reply. Every failure is one [`ApiError`]: a status and a
+//! one-line `error` JSON body. [`server`] serves them (connection cap, timeouts, TLS) and [`auth`]
+//! checks bearer tokens.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -229,8 +229,8 @@ pub(super) async fn run(
                         Ok(None) => writer.ack_in_order(ack).await,
                         Err(r) => {
                             reject(&r, source);
-                            // Nothing to journal: acknowledge (after the messages before it) so a bad
-                            // message is not redelivered forever.
+                            // Nothing to journal: acknowledge (after the messages before it) so a
+                            // bad message is not redelivered forever.
                             writer.ack_in_order(ack).await
                         }
                     }

@@ -1,5 +1,5 @@
-//! Event sourcing on sled (docs/architecture.md, "Persistence"): the journal of every applied input and the snapshots
-//! that bound recovery time.
+//! Event sourcing on sled (docs/architecture.md, "Persistence"): the journal of every applied input
+//! and the snapshots that bound recovery time.
 //!
 //! Layout of the data directory (one sled database):
 //!

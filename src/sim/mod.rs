@@ -1,6 +1,6 @@
-//! `kvrouted simulate` (docs/architecture.md, "Simulator"): replays a trace against N simulated workers driven by
-//! the same routing core as the daemon, once per policy, and measures what each policy does to
-//! cache reuse, duplication, eviction and time to first token.
+//! `kvrouted simulate` (docs/architecture.md, "Simulator"): replays a trace against N simulated
+//! workers driven by the same routing core as the daemon, once per policy, and measures what each
+//! policy does to cache reuse, duplication, eviction and time to first token.
 //!
 //! - [`trace`]: Mooncake JSONL traces and the [`Trace`] model;
 //! - [`generate`]: the agentic-trajectory and shared-system-prompt generators;

@@ -1,11 +1,11 @@
 //! Traces the simulator replays: Mooncake JSONL files and generated workloads.
 //!
-//! A request's prompt is described the Mooncake way: `hash_ids`, one id per block of
-//! `block_tokens` tokens, where equal ids at equal positions mean equal prefixes. Only full
-//! blocks are keyed (docs/architecture.md, "Block keys": a partial tail block is not keyed), so a request has
-//! `min(hash_ids.len(), input_tokens / block_tokens)` keyed blocks. The ids are used as the
-//! blocks' *local* hashes; the block keys are [`chain_locals`] of them, exactly as a gateway
-//! would send them.
+//! A request's prompt is described the Mooncake way: `hash_ids`, one id per block of `block_tokens`
+//! tokens, where equal ids at equal positions mean equal prefixes. Only full blocks are keyed
+//! (docs/architecture.md, "Block keys": a partial tail block is not keyed), so a request has
+//! `min(hash_ids.len(), input_tokens / block_tokens)` keyed blocks. The ids are used as the blocks'
+//! *local* hashes; the block keys are [`chain_locals`] of them, exactly as a gateway would send
+//! them.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};

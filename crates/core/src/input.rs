@@ -9,8 +9,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use smol_str::SmolStr;
 
-/// A worker id: 1 to 128 characters from `A-Z a-z 0-9 _ - :` (docs/architecture.md, "Wire contract"). No dots, because a
-/// worker id is one NATS subject token.
+/// A worker id: 1 to 128 characters from `A-Z a-z 0-9 _ - :` (docs/architecture.md, "Wire
+/// contract"). No dots, because a worker id is one NATS subject token.
 ///
 /// Ordered as its text. The id's first 16 bytes, zero-padded, are kept beside it as two
 /// big-endian numbers and compared first: ids never hold a zero byte, so those numbers order as

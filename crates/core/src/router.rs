@@ -26,7 +26,8 @@ use crate::workers::{SeqCheck, WorkerState, Workers};
 /// Largest `dp_size` a join may declare: a larger one is rejected as a bad field.
 pub const MAX_DP_SIZE: u32 = 1024;
 
-/// Router settings besides the policy's (docs/architecture.md, "Command line and configuration"). Durations are in milliseconds.
+/// Router settings besides the policy's (docs/architecture.md, "Command line and configuration").
+/// Durations are in milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouterConfig {
     pub policy: PolicyConfig,

@@ -38,7 +38,8 @@ pub type Slot = u32;
 /// Dense id of a (model, LoRA) namespace.
 pub type NsId = u32;
 
-/// A namespace: each (model, LoRA name) pair keys its own blocks (docs/architecture.md, "Block keys").
+/// A namespace: each (model, LoRA name) pair keys its own blocks (docs/architecture.md, "Block
+/// keys").
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Namespace {
     pub model: Option<String>,

@@ -24,7 +24,8 @@ use crate::index::Slot;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
-    /// docs/architecture.md, "Policy": longest-prefix ownership first, replicate only under pressure.
+    /// docs/architecture.md, "Policy": longest-prefix ownership first, replicate only under
+    /// pressure.
     PressureFirst,
     /// Imbalance-first: any fleet imbalance routes to the globally least-loaded worker.
     Legacy,
@@ -79,8 +80,8 @@ impl FromStr for PolicyKind {
     }
 }
 
-/// The label of a routing decision. The set is closed (docs/architecture.md, "Decision labels"): metrics and the journal use
-/// these names verbatim.
+/// The label of a routing decision. The set is closed (docs/architecture.md, "Decision labels"):
+/// metrics and the journal use these names verbatim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DecisionLabel {
@@ -127,7 +128,8 @@ impl fmt::Display for DecisionLabel {
     }
 }
 
-/// Policy settings (docs/architecture.md, "Policy" and "Command line and configuration"). Durations are in milliseconds.
+/// Policy settings (docs/architecture.md, "Policy" and "Command line and configuration"). Durations
+/// are in milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyConfig {
     pub kind: PolicyKind,

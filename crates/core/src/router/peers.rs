@@ -156,9 +156,9 @@ impl Router {
     }
 
     /// Records what a route did besides its provisional owner, for a local route and a peer's
-    /// alike: its reserved work on `slot` (unless `None`) and approximate ownership of `keys`
-    /// in namespace `ns` (none: nothing to record under) for `slot`, so the next turn of a trajectory stays on it before its KV
-    /// events arrive.
+    /// alike: its reserved work on `slot` (unless `None`) and approximate ownership of `keys` in
+    /// namespace `ns` (none: nothing to record under) for `slot`, so the next turn of a trajectory
+    /// stays on it before its KV events arrive.
     pub(super) fn record_route_effects(
         &mut self,
         ns: Option<NsId>,

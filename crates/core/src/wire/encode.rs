@@ -42,8 +42,8 @@ pub fn encode_vllm_batch(ts: f64, events: &[VllmEvent], dp_rank: Option<u32>) ->
     to_bytes(&batch)
 }
 
-/// A load sample (docs/architecture.md, "Load samples") as a map: `kv_usage, running, waiting, [max_running], ts,
-/// [model]`; absent optionals are left out.
+/// A load sample (docs/architecture.md, "Load samples") as a map: `kv_usage, running, waiting,
+/// [max_running], ts, [model]`; absent optionals are left out.
 pub fn encode_load(
     kv_usage: f64,
     running: u32,

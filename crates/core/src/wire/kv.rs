@@ -1,5 +1,6 @@
-//! KV event batches (docs/architecture.md, "KV event batches"): exactly what vLLM's, SGLang's and TensorRT-LLM's ZMQ
-//! KV-event publishers emit, so a worker (or the bridge) forwards the third ZMQ frame untouched.
+//! KV event batches (docs/architecture.md, "KV event batches"): exactly what vLLM's, SGLang's and
+//! TensorRT-LLM's ZMQ KV-event publishers emit, so a worker (or the bridge) forwards the third ZMQ
+//! frame untouched.
 //!
 //! Those publishers encode msgspec structs. In practice that means:
 //!

@@ -15,12 +15,12 @@ use crate::input::{LoadSample, RejectReason, Rejection, WorkerId, MAX_LOAD_COUNT
 
 /// Decodes and validates a `kv.load.<worker>` payload.
 ///
-/// `kv_usage` must be a finite number in 0..=1 (an integer 0 or 1 is fine); `running`,
-/// `waiting` and `max_running` integers in 0..=[`MAX_LOAD_COUNT`]; `ts` (the worker's clock,
-/// informational: staleness is judged by the daemon's receive time) a finite number;
-/// `model` a string of at most 256 bytes (empty means none). The data-parallel rank is not in
-/// the payload: the caller sets it from the `Kv-Dp-Rank` header. Wrong types and missing required keys are
-/// `InvalidField`; non-finite or out-of-range values are `InvalidLoadValue`.
+/// `kv_usage` must be a finite number in 0..=1 (an integer 0 or 1 is fine); `running`, `waiting`
+/// and `max_running` integers in 0..=[`MAX_LOAD_COUNT`]; `ts` (the worker's clock, informational:
+/// staleness is judged by the daemon's receive time) a finite number; `model` a string of at most
+/// 256 bytes (empty means none). The data-parallel rank is not in the payload: the caller sets it
+/// from the `Kv-Dp-Rank` header. Wrong types and missing required keys are `InvalidField`;
+/// non-finite or out-of-range values are `InvalidLoadValue`.
 pub fn decode_load(payload: &[u8], worker: WorkerId) -> Result<LoadSample, Rejection> {
     let root = read_single(payload, "load sample")?;
     let ValueRef::Map(entries) = &root else {

@@ -1,5 +1,5 @@
-//! Wire formats (docs/architecture.md, "Wire contract"): decoders that turn NATS payloads into the core's inputs, and
-//! encoders that publish exactly what a vLLM worker would.
+//! Wire formats (docs/architecture.md, "Wire contract"): decoders that turn NATS payloads into the
+//! core's inputs, and encoders that publish exactly what a vLLM worker would.
 //!
 //! Decoders validate everything the core relies on and reject the rest with a typed
 //! [`Rejection`] whose [`RejectReason`] is a bounded metric label and whose detail names the

@@ -1,5 +1,5 @@
-//! Behaviour of the state machine and the pressure-first policy (docs/architecture.md, "Policy"), one sentence
-//! per test.
+//! Behaviour of the state machine and the pressure-first policy (docs/architecture.md, "Policy"),
+//! one sentence per test.
 
 use super::*;
 use crate::hashing::chain_locals;
