@@ -613,15 +613,18 @@ impl<'a> SeededOnDraw<'a> {
     }
 
     fn rng(&mut self) -> &mut RouteDraws {
-        let generator = self
-            .generator
-            .get_or_insert_with(|| Box::new(BlockRng::new(ChaCha8Core::from_seed([0; 32]))));
         if !self.seeded {
-            generator.core = ChaCha8Core::seed_from_u64(self.seed);
-            generator.reset();
             self.seeded = true;
+            let core = ChaCha8Core::seed_from_u64(self.seed);
+            match self.generator {
+                Some(generator) => {
+                    generator.core = core;
+                    generator.reset();
+                }
+                None => *self.generator = Some(Box::new(BlockRng::new(core))),
+            }
         }
-        generator
+        self.generator.as_mut().expect("made at the first draw")
     }
 }
 
