@@ -620,7 +620,7 @@ fn a_store_that_finds_another_under_way_leaves_the_runs_to_it_and_a_flush_stores
         let journal = &journal;
         s.spawn(move || done.send(journal.store_sealed_unless_busy().is_ok()));
         assert_eq!(
-            stored.recv_timeout(std::time::Duration::from_secs(20)),
+            stored.recv_timeout(kvrouted_testkit::poll::DEADLINE),
             Ok(true),
             "a store that finds another under way returns at once, without an error"
         );
