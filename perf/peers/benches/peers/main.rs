@@ -3,13 +3,16 @@
 //! threaded), `PositionalIndexer` (called directly) and the two backends Dynamo deploys behind
 //! `ThreadPoolIndexer` (`PositionalIndexer` and `ConcurrentRadixTreeCompressed`).
 //!
-//! Run: `cargo bench --bench peers` (release; about a minute on 2 cores). Options, after `--`
+//! Run: `cargo bench --bench peers` (release; five to seven minutes on 2 cores at the defaults). Options, after `--`
 //! (`-- --help` lists them; an unknown option or index name stops the run): `--trace PATH` (or
 //! env `PEERS_TRACE`; default `../shared/traces/conversation_trace.jsonl` relative to the
 //! crate root), `--dup N` (default 8), `--capacity BLOCKS` (default 4096), `--workers
 //! 16,256,1024,4096` (the default; kv-index stops at 1,024), `--reps N` (default 5),
 //! `--requests N` (first N trace lines only), `--only kvrouted,kv-index` (a subset of the
-//! indexes, e.g. to profile one).
+//! indexes, e.g. to profile one), `--only-depths MIN..MAX` and `--only-prompt-blocks MIN..MAX`
+//! (a subset of the lookups, by their deepest match or their prompt's length in blocks: `96..`
+//! times the longest matches, `..4` the cold misses and the shortest; every event still runs,
+//! and the goals are not judged).
 //!
 //! After each fleet size's table the run states the performance round's goals it can read off
 //! that table, met or missed (`goals.rs`).
@@ -127,9 +130,59 @@ struct Options {
     /// Only these indexes (for profiling one of them)
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SUBJECTS))]
     only: Option<Vec<String>>,
+    /// Only the lookups whose deepest match is MIN to MAX blocks (`MIN..MAX`, either end may be
+    /// left out, MAX excluded): the others are left out of the replay, every event still runs.
+    /// For timing or profiling one kind of lookup; the goals are not judged
+    #[arg(long, value_name = "MIN..MAX", value_parser = parse_blocks)]
+    only_depths: Option<Blocks>,
+    /// Only the lookups of prompts of MIN to MAX blocks (`MIN..MAX`, as --only-depths)
+    #[arg(long, value_name = "MIN..MAX", value_parser = parse_blocks)]
+    only_prompt_blocks: Option<Blocks>,
     /// Passed by `cargo bench`; ignored
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// A range of block counts, `MIN..MAX` (MAX excluded).
+type Blocks = std::ops::Range<u32>;
+
+/// `MIN..MAX`, `MIN..` or `..MAX`, in blocks.
+fn parse_blocks(text: &str) -> Result<Blocks, String> {
+    let (min, max) = text
+        .split_once("..")
+        .ok_or_else(|| format!("`{text}` is not a range of blocks such as 4..32, 96.. or ..4"))?;
+    let end = |s: &str, default: u32| {
+        if s.is_empty() {
+            Ok(default)
+        } else {
+            s.parse::<u32>()
+                .map_err(|e| format!("`{s}` in `{text}` is not a block count: {e}"))
+        }
+    };
+    let range = end(min, 0)?..end(max, u32::MAX)?;
+    if range.is_empty() {
+        return Err(format!("`{text}` holds no block count"));
+    }
+    Ok(range)
+}
+
+/// Which lookups a run replays: all of them unless `--only-depths` or `--only-prompt-blocks`
+/// narrow them.
+#[derive(Clone, Default)]
+struct LookupFilter {
+    depths: Option<Blocks>,
+    prompt_blocks: Option<Blocks>,
+}
+
+impl LookupFilter {
+    fn admits(&self, max_depth: u32, prompt_blocks: u32) -> bool {
+        let within = |range: &Option<Blocks>, n: u32| range.as_ref().is_none_or(|r| r.contains(&n));
+        within(&self.depths, max_depth) && within(&self.prompt_blocks, prompt_blocks)
+    }
+
+    fn is_narrowed(&self) -> bool {
+        self.depths.is_some() || self.prompt_blocks.is_some()
+    }
 }
 
 /// The trace beside the repository (`../shared/traces/`); it is never copied into it.
@@ -190,7 +243,7 @@ fn apply_event<S: Subject>(subject: &mut S, stream: &Stream, op: &Op) -> u64 {
     }
 }
 
-fn replay<S: Subject>(stream: &Stream) -> Rep {
+fn replay<S: Subject>(stream: &Stream, filter: &LookupFilter) -> Rep {
     let bulk_event_ns = S::THREADED.then(|| bulk_events::<S>(stream));
     let mut latencies = Vec::with_capacity(stream.lookups);
     let mut depth = vec![0u32; stream.workers];
@@ -207,6 +260,9 @@ fn replay<S: Subject>(stream: &Stream) -> Rep {
                 expect,
                 max_depth,
             } => {
+                if !filter.admits(max_depth, len) {
+                    continue;
+                }
                 depth.fill(0);
                 // A threaded subject answers from what its event threads have applied.
                 subject.settle();
@@ -253,7 +309,7 @@ fn replay<S: Subject>(stream: &Stream) -> Rep {
     Rep {
         events_per_s: (stream.stored_blocks + stream.removed_blocks) as f64
             / (event_ns as f64 / 1e9),
-        lookups_per_s: stream.lookups as f64 / (lookup_ns as f64 / 1e9),
+        lookups_per_s: latencies.len() as f64 / (lookup_ns as f64 / 1e9),
         p50_ns: percentile(&latencies, 0.50),
         p99_ns: percentile(&latencies, 0.99),
         bytes,
@@ -284,20 +340,20 @@ const SUBJECTS: [&str; 8] = [
     "kvrouted-keys",
 ];
 
-fn run_subject(name: &str, stream: &Stream) -> Rep {
+fn run_subject(name: &str, stream: &Stream, filter: &LookupFilter) -> Rep {
     match name {
-        "kvrouted" => replay::<Kvrouted<false>>(stream),
-        "kvrouted-keys" => replay::<Kvrouted<true>>(stream),
-        "dynamo-kv-router" => replay::<Dynamo>(stream),
-        "dynamo-positional" => replay::<DynamoPositional>(stream),
+        "kvrouted" => replay::<Kvrouted<false>>(stream, filter),
+        "kvrouted-keys" => replay::<Kvrouted<true>>(stream, filter),
+        "dynamo-kv-router" => replay::<Dynamo>(stream, filter),
+        "dynamo-positional" => replay::<DynamoPositional>(stream, filter),
         "dynamo-positional-pool" => {
-            replay::<DynamoPool<dynamo_kv_router::PositionalIndexer>>(stream)
+            replay::<DynamoPool<dynamo_kv_router::PositionalIndexer>>(stream, filter)
         }
         "dynamo-crtc-pool" => {
-            replay::<DynamoPool<dynamo_kv_router::ConcurrentRadixTreeCompressed>>(stream)
+            replay::<DynamoPool<dynamo_kv_router::ConcurrentRadixTreeCompressed>>(stream, filter)
         }
-        "kv-index" => replay::<KvIndex>(stream),
-        "kvrouted-router" => replay::<FullRouter>(stream),
+        "kv-index" => replay::<KvIndex>(stream, filter),
+        "kvrouted-router" => replay::<FullRouter>(stream, filter),
         other => unreachable!("{other}"),
     }
 }
@@ -323,6 +379,17 @@ fn main() {
         timer_floor_ns(),
         loadavg()
     );
+    let filter = LookupFilter {
+        depths: o.only_depths.clone(),
+        prompt_blocks: o.only_prompt_blocks.clone(),
+    };
+    if filter.is_narrowed() {
+        println!(
+            "only the lookups whose deepest match is {} blocks and whose prompt is {} blocks: the rates, p50 and p99 are theirs, and the goals are not judged",
+            show_blocks(filter.depths.as_ref()),
+            show_blocks(filter.prompt_blocks.as_ref())
+        );
+    }
     let mut json_rows = Vec::new();
     for &workers in &o.workers {
         let t = Instant::now();
@@ -356,7 +423,7 @@ fn main() {
             for k in 0..SUBJECTS.len() {
                 let i = (k + rep) % SUBJECTS.len();
                 if chosen(SUBJECTS[i]) {
-                    reps[i].push(run_subject(SUBJECTS[i], &stream));
+                    reps[i].push(run_subject(SUBJECTS[i], &stream, &filter));
                 }
             }
         }
@@ -399,7 +466,7 @@ fn main() {
             ));
         }
         let verdicts = goals::verdicts(workers, &rows);
-        if !verdicts.is_empty() {
+        if !verdicts.is_empty() && !filter.is_narrowed() {
             println!("goals at {workers} workers (the best peer: the peer best on that figure):");
             for line in verdicts {
                 println!("  {line}");
@@ -420,6 +487,15 @@ fn main() {
         o.reps,
         json_rows.join(",")
     );
+}
+
+/// A range as `--only-depths` takes it; any count when there is none.
+fn show_blocks(range: Option<&Blocks>) -> String {
+    match range {
+        None => "any number of".to_string(),
+        Some(r) if r.end == u32::MAX => format!("{} or more", r.start),
+        Some(r) => format!("{} to {}", r.start, r.end - 1),
+    }
 }
 
 /// The machine's load averages (1, 5, 15 min): other work on a shared machine skews every figure.
