@@ -3,11 +3,11 @@
 //! threaded), `PositionalIndexer` (called directly) and the two backends Dynamo deploys behind
 //! `ThreadPoolIndexer` (`PositionalIndexer` and `ConcurrentRadixTreeCompressed`).
 //!
-//! Run: `cargo bench --bench peers` (release; five to seven minutes on 2 cores at the defaults). Options, after `--`
-//! (`-- --help` lists them; an unknown option or index name stops the run): `--trace PATH` (or
-//! env `PEERS_TRACE`; default `../shared/traces/conversation_trace.jsonl` relative to the
-//! crate root), `--dup N` (default 8), `--capacity BLOCKS` (default 4096), `--workers
-//! 16,256,1024,4096` (the default; kv-index stops at 1,024), `--reps N` (default 5),
+//! Run: `cargo bench --bench peers` (release; about five minutes on 2 cores at the defaults).
+//! Options, after `--` (`-- --help` lists them; an unknown option or index name stops the run):
+//! `--trace PATH` (or env `PEERS_TRACE`; default `../shared/traces/conversation_trace.jsonl`
+//! relative to the crate root), `--dup N` (default 8), `--capacity BLOCKS` (default 4096),
+//! `--workers 16,256,1024,4096` (the default; kv-index stops at 1,024), `--reps N` (default 5),
 //! `--requests N` (first N trace lines only), `--only kvrouted,kv-index` (a subset of the
 //! indexes, e.g. to profile one), `--only-depths MIN..MAX` and `--only-prompt-blocks MIN..MAX`
 //! (a subset of the lookups, by their deepest match or their prompt's length in blocks: `96..`
@@ -168,7 +168,6 @@ fn parse_blocks(text: &str) -> Result<Blocks, String> {
 
 /// Which lookups a run replays: all of them unless `--only-depths` or `--only-prompt-blocks`
 /// narrow them.
-#[derive(Clone, Default)]
 struct LookupFilter {
     depths: Option<Blocks>,
     prompt_blocks: Option<Blocks>,
@@ -479,12 +478,14 @@ fn main() {
         loadavg()
     );
     println!(
-        "{{\"bench\":\"peers\",\"trace\":\"{}\",\"requests\":{},\"dup\":{},\"capacity_blocks\":{},\"reps\":{},\"results\":[{}]}}",
+        "{{\"bench\":\"peers\",\"trace\":\"{}\",\"requests\":{},\"dup\":{},\"capacity_blocks\":{},\"reps\":{},\"only_depths\":{},\"only_prompt_blocks\":{},\"results\":[{}]}}",
         o.trace.file_name().and_then(|n| n.to_str()).unwrap_or("?"),
         trace.len(),
         o.dup,
         o.capacity,
         o.reps,
+        json_blocks(filter.depths.as_ref()),
+        json_blocks(filter.prompt_blocks.as_ref()),
         json_rows.join(",")
     );
 }
@@ -496,6 +497,11 @@ fn show_blocks(range: Option<&Blocks>) -> String {
         Some(r) if r.end == u32::MAX => format!("{} or more", r.start),
         Some(r) => format!("{} to {}", r.start, r.end - 1),
     }
+}
+
+/// A range as the JSON line gives it: `[MIN, MAX]` (MAX excluded), or `null` for every count.
+fn json_blocks(range: Option<&Blocks>) -> String {
+    range.map_or("null".to_string(), |r| format!("[{},{}]", r.start, r.end))
 }
 
 /// The machine's load averages (1, 5, 15 min): other work on a shared machine skews every figure.
