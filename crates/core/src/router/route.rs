@@ -15,7 +15,6 @@ use super::pools::{
 use super::*;
 use crate::index::extend_match;
 use crate::replicas::PeerRoute;
-use rand_chacha::rand_core::block::BlockRng;
 use rand_chacha::ChaCha8Core;
 
 /// A live rank a route views: its slot, its row and its depths (device or approximate; host;
@@ -593,9 +592,9 @@ fn serves_model(worker_model: &Option<String>, requested: Option<&str>) -> bool 
 /// without drawing, so the generator is only seeded at the first draw.
 ///
 /// The generator is the router's own ([`RouteBuffers::draws`]), reseeded in place: `ChaCha8Rng`
-/// is this same [`BlockRng`] over [`ChaCha8Core`], and a fresh one per route zeroed its 256-byte
-/// output buffer and copied it twice on its way into the route (docs/performance.md, Round 5,
-/// thirty-second part). Reseeding replaces the cipher's state and marks the buffer used up, so
+/// is this same [`RouteDraws`] (`BlockRng` over [`ChaCha8Core`]), and a fresh one per route
+/// zeroed its 256-byte output buffer and copied it twice on its way into the route
+/// (docs/performance.md, Round 5, thirty-second part). Reseeding replaces the cipher's state and marks the buffer used up, so
 /// the first draw computes the new seed's blocks and nothing of the last route's is read.
 struct SeededOnDraw<'a> {
     seed: u64,
@@ -621,7 +620,7 @@ impl<'a> SeededOnDraw<'a> {
                     generator.core = core;
                     generator.reset();
                 }
-                None => *self.generator = Some(Box::new(BlockRng::new(core))),
+                None => *self.generator = Some(Box::new(RouteDraws::new(core))),
             }
         }
         self.generator.as_mut().expect("made at the first draw")
