@@ -272,7 +272,9 @@ impl KeyTable {
         self.find(key).map(|i| self.entry(i).1)
     }
 
-    /// The value of `key`, inserting `default` first if the key is absent.
+    /// The value of `key`, inserting `default` first if the key is absent. Always inlined, as
+    /// [`insert`](Self::insert) is: a stored block's step (`EngineMap::store`).
+    #[inline(always)]
     pub fn get_or_insert(&mut self, key: u64, default: u64) -> &mut u64 {
         self.reserve_one();
         let (i, found) = self.probe(key);
@@ -282,7 +284,9 @@ impl KeyTable {
         self.value_mut(i)
     }
 
-    /// Sets `key` to `value`; returns the value it replaced.
+    /// Sets `key` to `value`; returns the value it replaced. Always inlined: a stored block's
+    /// step (`EngineMap::store`).
+    #[inline(always)]
     pub fn insert(&mut self, key: u64, value: u64) -> Option<u64> {
         self.reserve_one();
         match self.probe(key) {
@@ -356,6 +360,9 @@ impl KeyTable {
             .map(|(i, _)| self.entry(i))
     }
 
+    /// Room for one more entry: a comparison, inlined into each insert; the growth itself is
+    /// rare and out of line.
+    #[inline(always)]
     fn reserve_one(&mut self) {
         let buckets = self.tags.len();
         if (self.len + 1) * MAX_LOAD.1 > buckets * MAX_LOAD.0 {
@@ -363,6 +370,8 @@ impl KeyTable {
         }
     }
 
+    #[cold]
+    #[inline(never)]
     fn resize(&mut self, buckets: usize) {
         debug_assert!(buckets.is_power_of_two() && self.len * MAX_LOAD.1 <= buckets * MAX_LOAD.0);
         // FREE is zero: a zeroed tag array is all free.

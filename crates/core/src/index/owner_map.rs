@@ -60,7 +60,8 @@ impl OwnerMap {
         self.inline.prefetch_run(key);
     }
 
-    /// Adds one owner entry.
+    /// Adds one owner entry. Always inlined: a stored block's step (`EngineMap::store`).
+    #[inline(always)]
     pub fn add(&mut self, key: u64, slot: Slot) {
         debug_assert!(slot <= MAX_SLOT);
         let packed = self.inline.get_or_insert(key, pack(EMPTY, EMPTY));
