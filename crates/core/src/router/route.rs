@@ -142,11 +142,16 @@ impl Router {
     ///
     /// Returns the owners' depth, the level where candidates were found (every other listed
     /// rank is shallower or not a candidate), or `None` when no listed level holds one.
+    ///
+    /// `push_view` is a generic closure, not a `&dyn Fn`: called once per listed rank, it is
+    /// then a direct call (3-5% more decisions per second at 16 and 256 workers in the peer
+    /// bench, the thirty-fourth part). `write_view` itself stays a call: inlined into the
+    /// listing, decisions with hundreds of owners took 10% longer.
     fn listed_views(
         &self,
         scratch: &RouteScratch,
         prompt_blocks: usize,
-        push_view: &dyn Fn(ListedRank, &mut Vec<WorkerView>),
+        push_view: &impl Fn(ListedRank, &mut Vec<WorkerView>),
         views: &mut Vec<WorkerView>,
     ) -> Option<u32> {
         let threshold = self.config.policy.match_threshold(prompt_blocks);
