@@ -170,10 +170,10 @@ impl OwnerMap {
 
     /// Whether two table values stand for the same owner list, slot for slot.
     ///
-    /// Always inlined: a walk asks once per key, and as a call (which even a whole-program build
-    /// kept) it was a call and the walk's registers saved and restored per key. Inlined, lookups at
-    /// 16 workers had a p99 of 620-630 ns against 670-681, and decisions ran 3-5% faster
-    /// (docs/performance.md, thirty-fourth part).
+    /// Always inlined: a walk asks once per key, and the whole-program build kept it a call,
+    /// around which the walk saved and restored its registers. Inlined, lookups at 16 workers had
+    /// a p99 of 620-630 ns against 670-681, and decisions ran 2-9% faster (docs/performance.md,
+    /// thirty-fourth part).
     #[inline(always)]
     fn same_owners(&self, a: u64, b: u64) -> bool {
         match (unpack(a), unpack(b)) {

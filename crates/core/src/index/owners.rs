@@ -36,8 +36,8 @@ impl EngineMap {
     /// Always inlined into a stored batch's loop, with the table inserts it makes (the tables'
     /// growth stays out of line): as calls, which even the whole-program build kept, they were
     /// three calls a block. Inlined, the peer bench applied 4% more events per second at 16
-    /// workers, 11% more at 256 and 11-24% more at 1,024 (docs/performance.md, thirty-fourth
-    /// part).
+    /// workers and 11% more at 256, and at 1,024 0.94-0.97x kv-index's rate against 0.77-0.82x
+    /// (docs/performance.md, thirty-fourth part).
     #[inline(always)]
     fn store(&mut self, owners: &mut OwnerMap, slot: Slot, engine_hash: u64, key: u64) -> i64 {
         match self.keys.insert(engine_hash, key) {

@@ -144,7 +144,7 @@ impl Router {
     /// rank is shallower or not a candidate), or `None` when no listed level holds one.
     ///
     /// `push_view` is a generic closure, not a `&dyn Fn`: called once per listed rank, it is
-    /// then a direct call (3-5% more decisions per second at 16 and 256 workers in the peer
+    /// then a direct call (2-7% more decisions per second at 16 and 256 workers in the peer
     /// bench, the thirty-fourth part). `write_view` itself stays a call: inlined into the
     /// listing, decisions with hundreds of owners took 10% longer.
     fn listed_views(
