@@ -599,8 +599,9 @@ fn serves_model(worker_model: &Option<String>, requested: Option<&str>) -> bool 
 /// The generator is the router's own ([`RouteBuffers::draws`]), reseeded in place: `ChaCha8Rng`
 /// is this same [`RouteDraws`] (`BlockRng` over [`ChaCha8Core`]), and a fresh one per route
 /// zeroed its 256-byte output buffer and copied it twice on its way into the route
-/// (docs/performance.md, Round 5, thirty-second part). Reseeding replaces the cipher's state and marks the buffer used up, so
-/// the first draw computes the new seed's blocks and nothing of the last route's is read.
+/// (docs/performance.md, Round 5, thirty-second part). Reseeding replaces the cipher's state
+/// and marks the buffer used up, so the first draw computes the new seed's blocks and nothing of
+/// the last route's is read.
 struct SeededOnDraw<'a> {
     seed: u64,
     seeded: bool,
