@@ -130,14 +130,8 @@ struct Options {
     /// Only these indexes (for profiling one of them)
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SUBJECTS))]
     only: Option<Vec<String>>,
-    /// Only the lookups whose deepest match is MIN to MAX blocks (`MIN..MAX`, either end may be
-    /// left out, MAX excluded): the others are left out of the replay, every event still runs.
-    /// For timing or profiling one kind of lookup; the goals are not judged
-    #[arg(long, value_name = "MIN..MAX", value_parser = parse_blocks)]
-    only_depths: Option<Blocks>,
-    /// Only the lookups of prompts of MIN to MAX blocks (`MIN..MAX`, as --only-depths)
-    #[arg(long, value_name = "MIN..MAX", value_parser = parse_blocks)]
-    only_prompt_blocks: Option<Blocks>,
+    #[command(flatten)]
+    lookups: LookupFilter,
     /// Passed by `cargo bench`; ignored
     #[arg(long, hide = true)]
     bench: bool,
@@ -168,8 +162,15 @@ fn parse_blocks(text: &str) -> Result<Blocks, String> {
 
 /// Which lookups a run replays: all of them unless `--only-depths` or `--only-prompt-blocks`
 /// narrow them.
+#[derive(clap::Args)]
 struct LookupFilter {
+    /// Only the lookups whose deepest match is MIN to MAX blocks (`MIN..MAX`, either end may be
+    /// left out, MAX excluded): the others are left out of the replay, every event still runs.
+    /// For timing or profiling one kind of lookup; the goals are not judged
+    #[arg(long = "only-depths", value_name = "MIN..MAX", value_parser = parse_blocks)]
     depths: Option<Blocks>,
+    /// Only the lookups of prompts of MIN to MAX blocks (`MIN..MAX`, as --only-depths)
+    #[arg(long = "only-prompt-blocks", value_name = "MIN..MAX", value_parser = parse_blocks)]
     prompt_blocks: Option<Blocks>,
 }
 
@@ -378,13 +379,11 @@ fn main() {
         timer_floor_ns(),
         loadavg()
     );
-    let filter = LookupFilter {
-        depths: o.only_depths.clone(),
-        prompt_blocks: o.only_prompt_blocks.clone(),
-    };
+    let filter = &o.lookups;
     if filter.is_narrowed() {
         println!(
-            "only the lookups whose deepest match is {} blocks and whose prompt is {} blocks: the rates, p50 and p99 are theirs, and the goals are not judged",
+            "only the lookups whose deepest match is {} blocks and whose prompt is {} blocks: \
+             the rates, p50 and p99 are theirs, and the goals are not judged",
             show_blocks(filter.depths.as_ref()),
             show_blocks(filter.prompt_blocks.as_ref())
         );
@@ -422,7 +421,7 @@ fn main() {
             for k in 0..SUBJECTS.len() {
                 let i = (k + rep) % SUBJECTS.len();
                 if chosen(SUBJECTS[i]) {
-                    reps[i].push(run_subject(SUBJECTS[i], &stream, &filter));
+                    reps[i].push(run_subject(SUBJECTS[i], &stream, filter));
                 }
             }
         }
