@@ -448,7 +448,11 @@ mod tests {
             theirs, ours,
             "a loaded index holds every ownership it was saved with"
         );
-        assert_eq!(ours.len(), 6);
+        assert_eq!(
+            ours.len(),
+            6,
+            "the test saves every ownership it stored: three blocks of rank 0, three of rank 2"
+        );
     }
 
     #[test]
