@@ -11,7 +11,8 @@
 //!
 //! Like hashbrown, each bucket has a one-byte tag in a separate dense array, so a probe reads
 //! mostly tags: inserting a new key (a probe that ends at a free tag) does not wait for a cache
-//! miss on the 16-byte buckets, and the bucket itself is only written.
+//! miss on the 16-byte buckets, and the bucket itself is only written. As in hashbrown, a probe
+//! compares sixteen tags at once ([`search_run`]), so it does not branch bucket by bucket.
 //!
 //! The price of the higher load is speed under churn: one remove plus one insert costs about
 //! 1.6× hashbrown's at the load hashbrown settles at (`docs/performance.md`, Round 4). A batch
@@ -66,6 +67,133 @@ pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
     let end = (i + PREFETCH_AHEAD + 1).min(items.len());
     let start = if i == 0 { 0 } else { i + PREFETCH_AHEAD };
     &items[start.min(end)..end]
+}
+
+/// Tags read at once by a probe: a probe run is searched a group of this many buckets at a
+/// time (tables at least this large).
+const GROUP: usize = 16;
+
+/// Searches `key`'s probe run from its home bucket `home`: `(bucket, true)` where the key is,
+/// or `(the free bucket that ends the run, false)`. `tags` and `buckets` are a table's arrays,
+/// exactly `mask + 1` long.
+///
+/// Where the key lies in its run (at its home, or one or two buckets on) varies from key to
+/// key, so a loop testing the tags one by one mispredicts its exit about once a probe, and a
+/// walk loses the work it started on the keys after it. Sixteen tags compared at once (the
+/// group that holds the home bucket, then the next) give the buckets with the key's tag before
+/// the first free one as a bit mask, and that mask almost always holds exactly one bucket: the
+/// key's. Tables smaller than a group (an engine map's first eight buckets) go tag by tag.
+#[inline(always)]
+fn search_run(
+    tags: &[u8],
+    buckets: &[MaybeUninit<(u64, u64)>],
+    key: u64,
+    home: usize,
+) -> (usize, bool) {
+    if tags.len() < GROUP {
+        return search_run_tag_by_tag(tags, buckets, key, home);
+    }
+    let mask = tags.len() - 1;
+    let tag = KeyTable::tag(key);
+    // SAFETY: a used tag's bucket is written (see `entry`).
+    let holds_key = |i: usize| unsafe { buckets[i].assume_init() }.0 == key;
+    // Groups are aligned to GROUP buckets, so a group never straddles the table's end (its
+    // length is a power of two at least GROUP) and the run wraps by masking the group's start;
+    // in the home bucket's group, the buckets before the home are not part of the run.
+    let mut start = home & !(GROUP - 1);
+    let mut in_run = u32::MAX << (home % GROUP);
+    loop {
+        let group = Group::load(tags, start);
+        let free = group.free() & in_run;
+        // The buckets before the first free one (all of the group's when none is free); a
+        // free bucket's tag never equals a used tag, so including it is harmless.
+        let before_free = free ^ free.wrapping_sub(1);
+        let mut candidates = group.matching(tag) & in_run & before_free;
+        while candidates != 0 {
+            let i = start + candidates.trailing_zeros() as usize;
+            if holds_key(i) {
+                return (i, true);
+            }
+            candidates &= candidates - 1;
+        }
+        if free != 0 {
+            return (start + free.trailing_zeros() as usize, false);
+        }
+        start = (start + GROUP) & mask;
+        in_run = u32::MAX;
+    }
+}
+
+/// [`search_run`], one tag at a time.
+#[inline(always)]
+fn search_run_tag_by_tag(
+    tags: &[u8],
+    buckets: &[MaybeUninit<(u64, u64)>],
+    key: u64,
+    home: usize,
+) -> (usize, bool) {
+    let (mask, tag) = (tags.len() - 1, KeyTable::tag(key));
+    let mut i = home;
+    loop {
+        match tags[i] {
+            FREE => return (i, false),
+            // SAFETY: a used tag's bucket is written (see `entry`).
+            t if t == tag && unsafe { buckets[i].assume_init() }.0 == key => return (i, true),
+            _ => i = (i + 1) & mask,
+        }
+    }
+}
+
+/// The [`GROUP`] tags of buckets `start..start + GROUP`, compared with one value at a time: an
+/// SSE2 byte comparison and `movemask` on x86-64 (every x86-64 CPU has SSE2), elsewhere
+/// [`matching_tags`], a loop the compiler may vectorise.
+#[derive(Clone, Copy)]
+struct Group([u8; GROUP]);
+
+impl Group {
+    #[inline(always)]
+    fn load(tags: &[u8], start: usize) -> Group {
+        Group(
+            tags[start..start + GROUP]
+                .try_into()
+                .expect("a group is GROUP tags"),
+        )
+    }
+
+    /// Bit `j` set where tag `j` of the group equals `tag`.
+    #[inline(always)]
+    fn matching(self, tag: u8) -> u32 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{
+                _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8,
+            };
+            // SAFETY: the load reads the group's 16 bytes (it needs no alignment); the rest are
+            // SSE2 instructions on values, and every x86-64 CPU has SSE2.
+            let bits = unsafe {
+                let tags = _mm_loadu_si128(self.0.as_ptr().cast());
+                _mm_movemask_epi8(_mm_cmpeq_epi8(tags, _mm_set1_epi8(tag as i8)))
+            };
+            bits as u32
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            matching_tags(&self.0, tag)
+        }
+    }
+
+    /// Bit `j` set where bucket `j` of the group is free.
+    #[inline(always)]
+    fn free(self) -> u32 {
+        self.matching(FREE)
+    }
+}
+
+/// [`Group::matching`] without SSE2, one tag at a time (built on every target, so its tests
+/// check it against the SSE2 comparison).
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
+fn matching_tags(tags: &[u8; GROUP], tag: u8) -> u32 {
+    (tags.iter().enumerate()).fold(0, |bits, (j, &t)| bits | u32::from(t == tag) << j)
 }
 
 pub struct KeyTable {
@@ -145,15 +273,13 @@ impl KeyTable {
 
     /// The bucket holding `key`, or the free bucket that ends its probe run.
     fn probe(&self, key: u64) -> (usize, bool) {
-        let (mask, tag) = (self.mask(), Self::tag(key));
-        let mut i = self.home(key);
-        loop {
-            match self.tags[i] {
-                FREE => return (i, false),
-                t if t == tag && self.entry(i).0 == key => return (i, true),
-                _ => i = (i + 1) & mask,
-            }
-        }
+        let mask = self.mask();
+        search_run(
+            &self.tags[..=mask],
+            &self.buckets[..=mask],
+            key,
+            self.home(key),
+        )
     }
 
     /// For each key of `keys` in order, calls `visit(position, value)` until a key is absent or
@@ -183,13 +309,11 @@ impl KeyTable {
         let mut pending = [0u64; PENDING];
         let mut keys = keys.into_iter().fuse();
         let (mut drawn, mut probed) = (0, 0);
-        // The hints of `prefetch_run` and the probe of `probe`, written out over the arrays
-        // taken once as slices of exactly `mask + 1` elements and read at masked indices: the
-        // compiler then drops the bounds check of every tag and bucket read, and the probe
-        // ends the walk where it finds a free tag. Through `prefetch_run` and `probe` a lookup
-        // at 16 workers (whose table sits in the cache, so the walk runs at the rate of its
-        // instructions) made 7% more instructions, and with a probe over these slices shared
-        // with `get` the router made 10% fewer decisions per second at 16 workers
+        // The hints of `prefetch_run` written out, and the run searched, over the arrays taken
+        // once as slices of exactly `mask + 1` elements and read at masked indices: the
+        // compiler then drops the bounds checks of the tag and bucket reads. Through
+        // `prefetch_run` and `probe` a lookup at 16 workers (whose table sits in the cache, so
+        // the walk runs at the rate of its instructions) made 7% more instructions
         // (docs/performance.md, thirty-third part).
         let mask = self.mask();
         let (tags, buckets) = (&self.tags[..=mask], &self.buckets[..=mask]);
@@ -207,22 +331,12 @@ impl KeyTable {
                 return;
             }
             let key = pending[probed % PENDING];
-            let tag = Self::tag(key);
-            let mut i = self.home(key) & mask;
-            let value = loop {
-                let t = tags[i];
-                if t == FREE {
-                    return;
-                }
-                if t == tag {
-                    // SAFETY: a used tag's bucket is written (see `entry`).
-                    let (k, v) = unsafe { buckets[i].assume_init() };
-                    if k == key {
-                        break v;
-                    }
-                }
-                i = (i + 1) & mask;
-            };
+            let (i, found) = search_run(tags, buckets, key, self.home(key) & mask);
+            if !found {
+                return;
+            }
+            // SAFETY: a found key's bucket is used, so written (see `entry`).
+            let (_, value) = unsafe { buckets[i].assume_init() };
             if !visit(probed, value) {
                 return;
             }
@@ -382,7 +496,12 @@ impl KeyTable {
             if tag != FREE {
                 // SAFETY: a used bucket of the old table was written (see `entry`).
                 let (key, value) = unsafe { entry.assume_init() };
-                let (i, _) = self.probe(key);
+                // Tag by tag: moved in bucket order into a table at most 3/8 full, an entry
+                // nearly always lands at its home or just past the entry moved before it, so
+                // the first tag's test predicts well and costs less than a group's (apply at
+                // 1,024 workers fell from 1.18× kv-index's rate to 0.98× with groups here too:
+                // docs/performance.md, thirty-seventh part).
+                let (i, _) = search_run_tag_by_tag(&self.tags, &self.buckets, key, self.home(key));
                 self.tags[i] = tag;
                 self.buckets[i].write((key, value));
             }
@@ -582,6 +701,104 @@ mod tests {
             [(0, 103)],
             "a walk stops at a key the table does not hold, though a held key in its run has \
              the same tag"
+        );
+    }
+
+    #[test]
+    fn a_group_marks_exactly_the_tags_equal_to_the_one_asked_for() {
+        let mut tags = [FREE; GROUP];
+        for (j, tag) in tags.iter_mut().enumerate() {
+            // Free, 0x80 and 0xff (the signed byte comparison's edges) and a repeated tag.
+            *tag = [FREE, 0x80, 0xff, 0x93, 0x93][j % 5];
+        }
+        for tag in [FREE, 0x80, 0xff, 0x93, 0x94] {
+            let expected = (0..GROUP)
+                .filter(|&j| tags[j] == tag)
+                .fold(0, |b, j| b | 1 << j);
+            assert_eq!(
+                Group(tags).matching(tag),
+                expected,
+                "the group's bits for tag {tag:#x}"
+            );
+            assert_eq!(
+                matching_tags(&tags, tag),
+                expected,
+                "the portable bits for {tag:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_probe_run_crosses_groups_and_wraps_around_the_table_end() {
+        // In a table of 64 buckets, 20 keys whose home is bucket 60 fill 60..=63 and 0..=15
+        // (past a group's end, around the table's end and through a whole group), and 10
+        // whose home is 20 fill 20..=29, behind free buckets in their own group.
+        let home_in_64 = |key: u64| (hash(key) >> 58) as usize;
+        let with_home = |home: usize| (1u64..).filter(move |&key| home_in_64(key) == home);
+        let run: Vec<u64> = with_home(60).take(21).collect();
+        let (run, absent_at_60) = (&run[..20], run[20]);
+        let behind_free: Vec<u64> = with_home(20).take(11).collect();
+        let (behind_free, absent_at_20) = (&behind_free[..10], behind_free[10]);
+        let mut table = KeyTable::default();
+        for &key in run.iter().chain(behind_free) {
+            table.insert(key, !key);
+        }
+        assert_eq!(
+            table.tags.len(),
+            64,
+            "the scenario needs a table of 64 buckets"
+        );
+        for &key in run.iter().chain(behind_free) {
+            assert_eq!(
+                table.get(key),
+                Some(!key),
+                "a key past its home's group is found"
+            );
+        }
+        for absent in [absent_at_60, absent_at_20] {
+            assert_eq!(
+                table.get(absent),
+                None,
+                "a run ends at its first free bucket"
+            );
+        }
+        let mut visited = Vec::new();
+        table.walk(run.iter().copied(), |i, value| {
+            visited.push((i, value));
+            true
+        });
+        let expected: Vec<(usize, u64)> = run.iter().map(|&k| !k).enumerate().collect();
+        assert_eq!(
+            visited, expected,
+            "a walk finds every key of a run that wraps"
+        );
+        // An absent key goes to the free bucket that ends its run: after the wrapped run
+        // (bucket 16), and after its home rather than before it in its group (bucket 30).
+        table.insert(absent_at_60, 1);
+        table.insert(absent_at_20, 2);
+        assert_eq!(
+            table.probe(absent_at_60),
+            (16, true),
+            "placed where its run ends"
+        );
+        assert_eq!(
+            table.probe(absent_at_20),
+            (30, true),
+            "placed after its home"
+        );
+        // A removal shifts the run back over the table's end: every key stays reachable.
+        assert_eq!(table.remove(run[3]), Some(!run[3]));
+        for &key in run.iter().filter(|&&k| k != run[3]) {
+            assert_eq!(
+                table.get(key),
+                Some(!key),
+                "reachable after a removal in its run"
+            );
+        }
+        assert_eq!(
+            table.get(absent_at_60),
+            Some(1),
+            "reachable after a removal in its run"
         );
     }
 
