@@ -74,8 +74,8 @@ pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
 const GROUP: usize = 16;
 
 /// Searches `key`'s probe run from its home bucket `home`: `(bucket, true)` where the key is,
-/// or `(the free bucket that ends the run, false)`. `tags` and `buckets` are a table's arrays,
-/// exactly `mask + 1` long.
+/// or `(the free bucket that ends the run, false)`. `tags` and `buckets` are a table's whole
+/// arrays (a power of two long), taken as slices once by a caller that probes many keys.
 ///
 /// Where the key lies in its run (at its home, or one or two buckets on) varies from key to
 /// key, so a loop testing the tags one by one mispredicts its exit about once a probe, and a
