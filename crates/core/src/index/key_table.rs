@@ -69,6 +69,9 @@ pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
     &items[start.min(end)..end]
 }
 
+/// A bucket: a key and its value, written where its tag is used and read only there.
+type Bucket = MaybeUninit<(u64, u64)>;
+
 /// Tags read at once by a probe: a probe run is searched a group of this many buckets at a
 /// time (tables at least this large).
 const GROUP: usize = 16;
@@ -84,12 +87,7 @@ const GROUP: usize = 16;
 /// the first free one as a bit mask, and that mask almost always holds exactly one bucket: the
 /// key's. Tables smaller than a group (an engine map's first eight buckets) go tag by tag.
 #[inline(always)]
-fn search_run(
-    tags: &[u8],
-    buckets: &[MaybeUninit<(u64, u64)>],
-    key: u64,
-    home: usize,
-) -> (usize, bool) {
+fn search_run(tags: &[u8], buckets: &[Bucket], key: u64, home: usize) -> (usize, bool) {
     if tags.len() < GROUP {
         return search_run_tag_by_tag(tags, buckets, key, home);
     }
@@ -126,12 +124,7 @@ fn search_run(
 
 /// [`search_run`], one tag at a time.
 #[inline(always)]
-fn search_run_tag_by_tag(
-    tags: &[u8],
-    buckets: &[MaybeUninit<(u64, u64)>],
-    key: u64,
-    home: usize,
-) -> (usize, bool) {
+fn search_run_tag_by_tag(tags: &[u8], buckets: &[Bucket], key: u64, home: usize) -> (usize, bool) {
     let (mask, tag) = (tags.len() - 1, KeyTable::tag(key));
     let mut i = home;
     loop {
@@ -202,7 +195,7 @@ pub struct KeyTable {
     tags: TableArray<u8>,
     /// `(key, value)`, written where the tag is not free and read only there: a new array is
     /// left unwritten ([`TableArray::unwritten`]).
-    buckets: TableArray<MaybeUninit<(u64, u64)>>,
+    buckets: TableArray<Bucket>,
     len: usize,
     /// `64 - log2(buckets)`: the hash's top bits pick the bucket.
     shift: u32,
@@ -273,13 +266,18 @@ impl KeyTable {
 
     /// The bucket holding `key`, or the free bucket that ends its probe run.
     fn probe(&self, key: u64) -> (usize, bool) {
+        let (tags, buckets) = self.arrays();
+        search_run(tags, buckets, key, self.home(key))
+    }
+
+    /// The tag and bucket arrays as slices of exactly the table's bucket count: the form every
+    /// probe run is searched over. Slicing both to `mask + 1` tells the compiler they have the
+    /// same length, so a bucket read at a tag's index needs no bounds check of its own (over
+    /// the whole arrays the rehash ran 1% more instructions under callgrind).
+    #[inline(always)]
+    fn arrays(&self) -> (&[u8], &[Bucket]) {
         let mask = self.mask();
-        search_run(
-            &self.tags[..=mask],
-            &self.buckets[..=mask],
-            key,
-            self.home(key),
-        )
+        (&self.tags[..=mask], &self.buckets[..=mask])
     }
 
     /// For each key of `keys` in order, calls `visit(position, value)` until a key is absent or
@@ -309,14 +307,14 @@ impl KeyTable {
         let mut pending = [0u64; PENDING];
         let mut keys = keys.into_iter().fuse();
         let (mut drawn, mut probed) = (0, 0);
-        // The hints of `prefetch_run` written out, and the run searched, over the arrays taken
-        // once as slices of exactly `mask + 1` elements and read at masked indices: the
-        // compiler then drops the bounds checks of the tag and bucket reads. Through
-        // `prefetch_run` and `probe` a lookup at 16 workers (whose table sits in the cache, so
-        // the walk runs at the rate of its instructions) made 7% more instructions
-        // (docs/performance.md, thirty-third part).
+        // The hints of `prefetch_run` written out over the arrays taken once as slices
+        // (`arrays`) and read at masked indices, so the compiler drops their bounds checks;
+        // each key's run is then searched over the same slices (`search_run`, as `probe`
+        // does). Through `prefetch_run` and `probe` a lookup at 16 workers (whose
+        // table sits in the cache, so the walk runs at the rate of its instructions) made 7%
+        // more instructions (docs/performance.md, thirty-third part).
         let mask = self.mask();
-        let (tags, buckets) = (&self.tags[..=mask], &self.buckets[..=mask]);
+        let (tags, buckets) = self.arrays();
         loop {
             while drawn <= probed + PREFETCH_AHEAD {
                 let Some(key) = keys.next() else { break };
@@ -501,7 +499,8 @@ impl KeyTable {
                 // the first tag's test predicts well and costs less than a group's (apply at
                 // 1,024 workers fell from 1.18× kv-index's rate to 0.98× with groups here too:
                 // docs/performance.md, thirty-seventh part).
-                let (i, _) = search_run_tag_by_tag(&self.tags, &self.buckets, key, self.home(key));
+                let (tags, buckets) = self.arrays();
+                let (i, _) = search_run_tag_by_tag(tags, buckets, key, self.home(key));
                 self.tags[i] = tag;
                 self.buckets[i].write((key, value));
             }
