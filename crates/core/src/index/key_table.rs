@@ -72,6 +72,17 @@ pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
 /// A bucket: a key and its value, written where its tag is used and read only there.
 type Bucket = MaybeUninit<(u64, u64)>;
 
+/// The entry of bucket `i` of `buckets`, a used one (its tag not [`FREE`]): the one read of a
+/// bucket, for the probes over a table's slices ([`search_run`], the walk) and for
+/// [`KeyTable::entry`].
+#[inline(always)]
+fn used_entry(buckets: &[Bucket], i: usize) -> (u64, u64) {
+    // SAFETY: a bucket's entry is written whenever its tag is set to a used one (`put`,
+    // `resize`, the backward shift of `remove_at`, which moves a written entry), and only used
+    // buckets are read.
+    unsafe { buckets[i].assume_init() }
+}
+
 /// Tags read at once by a probe: a probe run is searched a group of this many buckets at a
 /// time (tables at least this large).
 const GROUP: usize = 16;
@@ -93,8 +104,7 @@ fn search_run(tags: &[u8], buckets: &[Bucket], key: u64, home: usize) -> (usize,
     }
     let mask = tags.len() - 1;
     let tag = KeyTable::tag(key);
-    // SAFETY: a used tag's bucket is written (see `entry`).
-    let holds_key = |i: usize| unsafe { buckets[i].assume_init() }.0 == key;
+    let holds_key = |i: usize| used_entry(buckets, i).0 == key;
     // Groups are aligned to GROUP buckets, so a group never straddles the table's end (its
     // length is a power of two at least GROUP) and the run wraps by masking the group's start;
     // in the home bucket's group, the buckets before the home are not part of the run.
@@ -130,8 +140,7 @@ fn search_run_tag_by_tag(tags: &[u8], buckets: &[Bucket], key: u64, home: usize)
     loop {
         match tags[i] {
             FREE => return (i, false),
-            // SAFETY: a used tag's bucket is written (see `entry`).
-            t if t == tag && unsafe { buckets[i].assume_init() }.0 == key => return (i, true),
+            t if t == tag && used_entry(buckets, i).0 == key => return (i, true),
             _ => i = (i + 1) & mask,
         }
     }
@@ -250,17 +259,14 @@ impl KeyTable {
     #[inline]
     fn entry(&self, i: usize) -> (u64, u64) {
         debug_assert_ne!(self.tags[i], FREE, "only a used bucket is read");
-        // SAFETY: a bucket's entry is written whenever its tag is set to a used one (`put`,
-        // `resize`, the backward shift of `remove_at`, which moves a written entry), and only
-        // used buckets are read.
-        unsafe { self.buckets[i].assume_init() }
+        used_entry(&self.buckets, i)
     }
 
     /// The value of bucket `i`, a used one, to change.
     #[inline]
     fn value_mut(&mut self, i: usize) -> &mut u64 {
         debug_assert_ne!(self.tags[i], FREE, "only a used bucket is changed");
-        // SAFETY: as in `entry`.
+        // SAFETY: as in `used_entry`.
         unsafe { &mut self.buckets[i].assume_init_mut().1 }
     }
 
@@ -333,8 +339,7 @@ impl KeyTable {
             if !found {
                 return;
             }
-            // SAFETY: a found key's bucket is used, so written (see `entry`).
-            let (_, value) = unsafe { buckets[i].assume_init() };
+            let (_, value) = used_entry(buckets, i);
             if !visit(probed, value) {
                 return;
             }
@@ -492,7 +497,7 @@ impl KeyTable {
         self.shift = 64 - buckets.trailing_zeros();
         for (&tag, entry) in old_tags.iter().zip(old.iter()) {
             if tag != FREE {
-                // SAFETY: a used bucket of the old table was written (see `entry`).
+                // SAFETY: a used bucket of the old table was written (see `used_entry`).
                 let (key, value) = unsafe { entry.assume_init() };
                 // Tag by tag: moved in bucket order into a table at most 3/8 full, an entry
                 // nearly always lands at its home or just past the entry moved before it, so
@@ -786,7 +791,11 @@ mod tests {
             "placed after its home"
         );
         // A removal shifts the run back over the table's end: every key stays reachable.
-        assert_eq!(table.remove(run[3]), Some(!run[3]));
+        assert_eq!(
+            table.remove(run[3]),
+            Some(!run[3]),
+            "a key in a wrapped run is removed"
+        );
         for &key in run.iter().filter(|&&k| k != run[3]) {
             assert_eq!(
                 table.get(key),
