@@ -72,15 +72,15 @@ pub(super) fn ahead<T>(items: &[T], i: usize) -> &[T] {
 /// A bucket: a key and its value, written where its tag is used and read only there.
 type Bucket = MaybeUninit<(u64, u64)>;
 
-/// The entry of bucket `i` of `buckets`, a used one (its tag not [`FREE`]): the one read of a
-/// bucket, for the probes over a table's slices ([`search_run`], the walk) and for
-/// [`KeyTable::entry`].
+/// The entry of a used bucket (its tag not [`FREE`]): the one read of a bucket, for the probes
+/// over a table's slices ([`search_run`], the walk), [`KeyTable::entry`] and the rehash's pass
+/// over the old arrays.
 #[inline(always)]
-fn used_entry(buckets: &[Bucket], i: usize) -> (u64, u64) {
+fn used_entry(bucket: &Bucket) -> (u64, u64) {
     // SAFETY: a bucket's entry is written whenever its tag is set to a used one (`put`,
     // `resize`, the backward shift of `remove_at`, which moves a written entry), and only used
     // buckets are read.
-    unsafe { buckets[i].assume_init() }
+    unsafe { bucket.assume_init() }
 }
 
 /// Tags read at once by a probe: a probe run is searched a group of this many buckets at a
@@ -104,7 +104,7 @@ fn search_run(tags: &[u8], buckets: &[Bucket], key: u64, home: usize) -> (usize,
     }
     let mask = tags.len() - 1;
     let tag = KeyTable::tag(key);
-    let holds_key = |i: usize| used_entry(buckets, i).0 == key;
+    let holds_key = |i: usize| used_entry(&buckets[i]).0 == key;
     // Groups are aligned to GROUP buckets, so a group never straddles the table's end (its
     // length is a power of two at least GROUP) and the run wraps by masking the group's start;
     // in the home bucket's group, the buckets before the home are not part of the run.
@@ -140,7 +140,7 @@ fn search_run_tag_by_tag(tags: &[u8], buckets: &[Bucket], key: u64, home: usize)
     loop {
         match tags[i] {
             FREE => return (i, false),
-            t if t == tag && used_entry(buckets, i).0 == key => return (i, true),
+            t if t == tag && used_entry(&buckets[i]).0 == key => return (i, true),
             _ => i = (i + 1) & mask,
         }
     }
@@ -259,7 +259,7 @@ impl KeyTable {
     #[inline]
     fn entry(&self, i: usize) -> (u64, u64) {
         debug_assert_ne!(self.tags[i], FREE, "only a used bucket is read");
-        used_entry(&self.buckets, i)
+        used_entry(&self.buckets[i])
     }
 
     /// The value of bucket `i`, a used one, to change.
@@ -339,7 +339,7 @@ impl KeyTable {
             if !found {
                 return;
             }
-            let (_, value) = used_entry(buckets, i);
+            let (_, value) = used_entry(&buckets[i]);
             if !visit(probed, value) {
                 return;
             }
@@ -497,8 +497,7 @@ impl KeyTable {
         self.shift = 64 - buckets.trailing_zeros();
         for (&tag, entry) in old_tags.iter().zip(old.iter()) {
             if tag != FREE {
-                // SAFETY: a used bucket of the old table was written (see `used_entry`).
-                let (key, value) = unsafe { entry.assume_init() };
+                let (key, value) = used_entry(entry);
                 // Tag by tag: moved in bucket order into a table at most 3/8 full, an entry
                 // nearly always lands at its home or just past the entry moved before it, so
                 // the first tag's test predicts well and costs less than a group's (apply at
