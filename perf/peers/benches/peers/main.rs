@@ -12,7 +12,10 @@
 //! indexes, e.g. to profile one), `--only-depths MIN..MAX` and `--only-prompt-blocks MIN..MAX`
 //! (a subset of the lookups, by their deepest match or their prompt's length in blocks: `96..`
 //! times the longest matches, `..4` the cold misses and the shortest; every event still runs,
-//! and the goals are not judged).
+//! and the goals are not judged), `--pause-ms MS` (a wait before each index's run) and
+//! `--per-rep` (each repetition's rates, not only the medians): the two that showed why some
+//! runs apply more slowly on a VM that takes back freed memory (docs/performance.md, the
+//! forty-first part).
 //!
 //! After each fleet size's table the run states the performance round's goals it can read off
 //! that table, met or missed (`goals.rs`).
@@ -70,7 +73,7 @@ mod subjects;
 mod workload;
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::builder::RangedU64ValueParser;
 use clap::Parser;
@@ -132,6 +135,14 @@ struct Options {
     only: Option<Vec<String>>,
     #[command(flatten)]
     lookups: LookupFilter,
+    /// Wait this many milliseconds before each index's run. For diagnosing runs that differ: a VM
+    /// whose balloon reports free memory takes back what the process freed within seconds, and
+    /// memory it took back costs a fault on the host at its next first touch
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pause_ms: u64,
+    /// Print each repetition's rates as it finishes, not only the medians
+    #[arg(long)]
+    per_rep: bool,
     /// Passed by `cargo bench`; ignored
     #[arg(long, hide = true)]
     bench: bool,
@@ -421,7 +432,18 @@ fn main() {
             for k in 0..SUBJECTS.len() {
                 let i = (k + rep) % SUBJECTS.len();
                 if chosen(SUBJECTS[i]) {
-                    reps[i].push(run_subject(SUBJECTS[i], &stream, filter));
+                    std::thread::sleep(Duration::from_millis(o.pause_ms));
+                    let r = run_subject(SUBJECTS[i], &stream, filter);
+                    if o.per_rep {
+                        println!(
+                            "repetition {rep} {}: {:.2} M events/s, {:.2} M lookups/s, p99 {} ns",
+                            SUBJECTS[i],
+                            r.events_per_s / 1e6,
+                            r.lookups_per_s / 1e6,
+                            r.p99_ns
+                        );
+                    }
+                    reps[i].push(r);
                 }
             }
         }
