@@ -12,10 +12,10 @@
 //! indexes, e.g. to profile one), `--only-depths MIN..MAX` and `--only-prompt-blocks MIN..MAX`
 //! (a subset of the lookups, by their deepest match or their prompt's length in blocks: `96..`
 //! times the longest matches, `..4` the cold misses and the shortest; every event still runs,
-//! and the goals are not judged), `--pause-ms MS` (a wait before each index's run) and
-//! `--per-rep` (each repetition's rates, not only the medians): the two that showed why some
-//! runs apply more slowly on a VM that takes back freed memory (docs/performance.md, the
-//! forty-first part).
+//! and the goals are not judged), `--pause DURATION` (a wait before each index's run, e.g.
+//! `4s`) and `--per-rep` (each repetition's rates, not only the medians): the two that showed
+//! why some runs apply more slowly on a VM that takes back freed memory (docs/performance.md,
+//! the forty-first part).
 //!
 //! After each fleet size's table the run states the performance round's goals it can read off
 //! that table, met or missed (`goals.rs`).
@@ -77,6 +77,7 @@ use std::time::{Duration, Instant};
 
 use clap::builder::RangedU64ValueParser;
 use clap::Parser;
+use kvrouted::config::parse_duration;
 use kvrouted::sim::percentile;
 use subjects::*;
 use workload::*;
@@ -135,11 +136,11 @@ struct Options {
     only: Option<Vec<String>>,
     #[command(flatten)]
     lookups: LookupFilter,
-    /// Wait this many milliseconds before each index's run. For diagnosing runs that differ: a VM
-    /// whose balloon reports free memory takes back what the process freed within seconds, and
-    /// memory it took back costs a fault on the host at its next first touch
-    #[arg(long, value_name = "MS", default_value_t = 0)]
-    pause_ms: u64,
+    /// Wait this long before each index's run, with its unit (`4s`, `500ms`). For diagnosing runs
+    /// that differ: a VM whose balloon reports free memory takes back what the process freed
+    /// within seconds, and memory it took back costs a fault on the host at its next first touch
+    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = parse_duration)]
+    pause: Duration,
     /// Print each repetition's rates as it finishes, not only the medians
     #[arg(long)]
     per_rep: bool,
@@ -432,7 +433,7 @@ fn main() {
             for k in 0..SUBJECTS.len() {
                 let i = (k + rep) % SUBJECTS.len();
                 if chosen(SUBJECTS[i]) {
-                    std::thread::sleep(Duration::from_millis(o.pause_ms));
+                    std::thread::sleep(o.pause);
                     let r = run_subject(SUBJECTS[i], &stream, filter);
                     if o.per_rep {
                         println!(
