@@ -33,7 +33,9 @@
 //!    concurrency 1, against the same floors with the same bodies.
 //! 5. **combined**: publishers and 1k–32k routes at once.
 //!
-//! Each mode ends with the round's end-to-end goals, met or missed ([`goals`]).
+//! Each mode ends with the round's end-to-end goals, met or missed ([`goals`]), and stops the
+//! daemon with SIGTERM as an operator stops it (up to 30 s, then SIGKILL): a daemon built by
+//! `scripts/build-pgo`'s first step writes the counts it trained on when it exits.
 //!
 //! The workload: 64 conversation prefixes of 32,768 tokens (2,048 blocks of 16). Each simulated
 //! worker stores prefixes one after another, one 32-block `BlockStored` per message, each chained
@@ -61,7 +63,7 @@ use kvrouted::wire::{encode_load, encode_vllm_batch, VllmEvent};
 use serde::Deserialize;
 use tempfile::TempDir;
 
-use kvrouted_testkit::{free_port, start_watchdog, wait_for_port, Nats, Watched};
+use kvrouted_testkit::{free_port, poll_until, start_watchdog, wait_for_port, Nats, Watched};
 
 const BLOCK: usize = 16;
 const BATCH_BLOCKS: usize = 32;

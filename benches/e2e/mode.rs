@@ -312,6 +312,10 @@ pub(crate) async fn run_mode(
     for line in goals.verdicts(o.concurrency) {
         report.line(format!("  {line}"));
     }
+    // Stopped as an operator stops it, while the broker is still up to take its last acks.
+    if !daemon.stop(Duration::from_secs(30)) {
+        report.line("the daemon did not exit within 30 s of SIGTERM; killed".to_string());
+    }
     drop(daemon);
     drop(nats);
 }

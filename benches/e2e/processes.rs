@@ -1,4 +1,5 @@
-//! Processes: everything started is killed on drop, and by the watchdog.
+//! Processes: the daemon is stopped with SIGTERM at the end of a mode, as an operator stops it;
+//! everything started is killed on drop (a failed run), and by the watchdog.
 
 use super::*;
 
@@ -35,6 +36,19 @@ impl Proc {
                 std::fs::read_to_string(&self.log).unwrap_or_default()
             );
         }
+    }
+
+    /// SIGTERM, then up to `deadline` for the process to exit; `false` if it is still running
+    /// (the drop's SIGKILL then ends it). A daemon that exits by itself runs its shutdown: the
+    /// final journal flush, and the profile a build instrumented for profile-guided
+    /// optimisation writes at exit (`scripts/build-pgo` trains on this bench).
+    pub(crate) fn stop(&mut self, deadline: Duration) -> bool {
+        let pid = self.pid().to_string();
+        let sent = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        sent && poll_until(deadline, || self.child.try_wait().ok().flatten()).is_some()
     }
 }
 
