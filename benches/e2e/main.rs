@@ -48,7 +48,7 @@
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -63,7 +63,7 @@ use kvrouted::wire::{encode_load, encode_vllm_batch, VllmEvent};
 use serde::Deserialize;
 use tempfile::TempDir;
 
-use kvrouted_testkit::{free_port, poll_until, start_watchdog, wait_for_port, Nats, Watched};
+use kvrouted_testkit::{free_port, start_watchdog, wait_for_port, Nats, Process, Watched};
 
 const BLOCK: usize = 16;
 const BATCH_BLOCKS: usize = 32;

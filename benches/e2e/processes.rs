@@ -3,24 +3,18 @@
 
 use super::*;
 
+/// The daemon under load: testkit's [`Process`] (its output in a log file, SIGKILL on drop), under
+/// the watchdog.
 pub(crate) struct Proc {
-    pub(crate) child: Watched<Child>,
+    pub(crate) child: Watched<Process>,
     pub(crate) name: &'static str,
-    pub(crate) log: PathBuf,
 }
 
 impl Proc {
-    pub(crate) fn spawn(name: &'static str, mut cmd: Command, log: PathBuf) -> Proc {
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+    pub(crate) fn spawn(name: &'static str, cmd: Command, log: PathBuf) -> Proc {
         Proc {
-            child: Watched::new(child),
+            child: Watched::new(Process::spawn(cmd, &log)),
             name,
-            log,
         }
     }
 
@@ -29,11 +23,11 @@ impl Proc {
     }
 
     pub(crate) fn assert_running(&mut self) {
-        if let Ok(Some(status)) = self.child.try_wait() {
+        if let Some(status) = self.child.exited() {
             panic!(
                 "{} exited with {status}; log:\n{}",
                 self.name,
-                std::fs::read_to_string(&self.log).unwrap_or_default()
+                self.child.log_text()
             );
         }
     }
@@ -43,19 +37,7 @@ impl Proc {
     /// final journal flush, and the profile a build instrumented for profile-guided
     /// optimisation writes at exit (`scripts/build-pgo` trains on this bench).
     pub(crate) fn stop(&mut self, deadline: Duration) -> bool {
-        let pid = self.pid().to_string();
-        let sent = Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .is_ok_and(|s| s.success());
-        sent && poll_until(deadline, || self.child.try_wait().ok().flatten()).is_some()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child.terminate_within(deadline).is_some()
     }
 }
 
