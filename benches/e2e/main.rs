@@ -5,7 +5,7 @@
 //! Run: `cargo bench --bench e2e` (on demand; never part of `cargo test`). It takes about three
 //! minutes with the defaults, stops itself and kills everything it started (a watchdog kills the
 //! children and exits after `--max-seconds`). Options, after `--` (`-- --help` lists them):
-//! `--duration SECS` (each phase, default 8), `--publishers N` (NATS connections, default 4),
+//! `--duration DURATION` (each phase, with its unit, default `8s`), `--publishers N` (NATS connections, default 4),
 //! `--workers-per-publisher N` (default 4), `--concurrency N` (HTTP requests in flight, default
 //! 16), `--window N` (unacknowledged JetStream publishes per connection, default 256), `--modes
 //! jetstream,core`, `--max-seconds N` (default 600). Needs `nats-server` on the PATH, in
@@ -115,8 +115,8 @@ fn main() {
     };
     let mut report = Report { json: Vec::new() };
     report.line(format!(
-        "e2e: {} s per phase, {} publisher connections × {} workers, HTTP concurrency {}, JetStream window {}; nproc {}; load average {}",
-        o.duration.as_secs(),
+        "e2e: {} per phase, {} publisher connections × {} workers, HTTP concurrency {}, JetStream window {}; nproc {}; load average {}",
+        humantime::format_duration(o.duration),
         o.publishers,
         o.workers_per_publisher,
         o.concurrency,
@@ -147,7 +147,7 @@ fn main() {
     ));
     println!(
         "{{\"bench\":\"e2e\",\"phase_seconds\":{},\"publishers\":{},\"workers\":{},\"concurrency\":{},\"results\":[{}]}}",
-        o.duration.as_secs(),
+        o.duration.as_secs_f64(),
         o.publishers,
         o.publishers * o.workers_per_publisher,
         o.concurrency,

@@ -8,8 +8,9 @@ use clap::{Parser, ValueEnum};
 #[derive(Debug, Parser)]
 #[command(name = "e2e", about = "End-to-end load benchmark of kvrouted")]
 pub(crate) struct Options {
-    /// Seconds per phase
-    #[arg(long, value_name = "SECS", default_value = "8", value_parser = seconds)]
+    /// How long each phase runs, with its unit (`8s`, `1m`), as the daemon's durations are
+    /// written
+    #[arg(long, value_name = "DURATION", default_value = "8s", value_parser = phase_duration)]
     pub(crate) duration: Duration,
     /// NATS publisher connections
     #[arg(long, default_value_t = 4, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
@@ -34,10 +35,14 @@ pub(crate) struct Options {
     bench: bool,
 }
 
-fn seconds(v: &str) -> Result<Duration, String> {
-    v.parse()
-        .map(Duration::from_secs)
-        .map_err(|_| format!("expected whole seconds, got {v:?}"))
+/// A phase's duration through the daemon's own parser (a bare number is refused with its
+/// message); a phase must run for some time, since its rates divide by it.
+fn phase_duration(v: &str) -> Result<Duration, String> {
+    let d = kvrouted::config::parse_duration(v)?;
+    if d.is_zero() {
+        return Err("a phase must last longer than 0s".into());
+    }
+    Ok(d)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
