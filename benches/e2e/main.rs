@@ -5,12 +5,12 @@
 //! Run: `cargo bench --bench e2e` (on demand; never part of `cargo test`). It takes about three
 //! minutes with the defaults, stops itself and kills everything it started (a watchdog kills the
 //! children and exits after `--max-seconds`). Options, after `--` (`-- --help` lists them):
-//! `--duration DURATION` (each phase, with its unit, default `8s`), `--publishers N` (NATS connections, default 4),
-//! `--workers-per-publisher N` (default 4), `--concurrency N` (HTTP requests in flight, default
-//! 16), `--window N` (unacknowledged JetStream publishes per connection, default 256), `--modes
-//! jetstream,core`, `--max-seconds N` (default 600). Needs `nats-server` on the PATH, in
-//! /usr/sbin, or at `NATS_SERVER_BIN`. `E2E_DAEMON_BIN` runs another build of the daemon (for an
-//! A/B comparison).
+//! `--duration DURATION` (each phase, with its unit, default `8s`), `--publishers N` (NATS
+//! connections, default 4), `--workers-per-publisher N` (default 4), `--concurrency N` (HTTP
+//! requests in flight, default 16), `--window N` (unacknowledged JetStream publishes per
+//! connection, default 256), `--modes jetstream,core`, `--max-seconds N` (default 600). Needs
+//! `nats-server` on the PATH, in /usr/sbin, or at `NATS_SERVER_BIN`. `E2E_DAEMON_BIN` runs another
+//! build of the daemon (for an A/B comparison).
 //!
 //! Per NATS mode (JetStream, then core NATS with `--no-jetstream`), on a fresh broker and data
 //! dir:
