@@ -313,8 +313,11 @@ pub(crate) async fn run_mode(
         report.line(format!("  {line}"));
     }
     // Stopped as an operator stops it, while the broker is still up to take its last acks.
-    if !daemon.stop(Duration::from_secs(30)) {
-        report.line("the daemon did not exit within 30 s of SIGTERM; killed".to_string());
+    if !daemon.stop() {
+        report.line(format!(
+            "the daemon did not exit within {} of SIGTERM; killed",
+            humantime::format_duration(STOP_TIMEOUT)
+        ));
     }
     drop(daemon);
     drop(nats);

@@ -7,14 +7,15 @@ use super::*;
 /// the watchdog.
 pub(crate) struct Proc {
     pub(crate) child: Watched<Process>,
-    pub(crate) name: &'static str,
 }
 
+/// How long the daemon has to exit after SIGTERM at the end of a mode before the drop's SIGKILL.
+pub(crate) const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+
 impl Proc {
-    pub(crate) fn spawn(name: &'static str, cmd: Command, log: PathBuf) -> Proc {
+    pub(crate) fn spawn(cmd: Command, log: PathBuf) -> Proc {
         Proc {
             child: Watched::new(Process::spawn(cmd, &log)),
-            name,
         }
     }
 
@@ -25,19 +26,18 @@ impl Proc {
     pub(crate) fn assert_running(&mut self) {
         if let Some(status) = self.child.exited() {
             panic!(
-                "{} exited with {status}; log:\n{}",
-                self.name,
+                "kvrouted exited with {status}; log:\n{}",
                 self.child.log_text()
             );
         }
     }
 
-    /// SIGTERM, then up to `deadline` for the process to exit; `false` if it is still running
-    /// (the drop's SIGKILL then ends it). A daemon that exits by itself runs its shutdown: the
-    /// final journal flush, and the profile a build instrumented for profile-guided
+    /// SIGTERM, then up to [`STOP_TIMEOUT`] for the daemon to exit; `false` if it is still
+    /// running (the drop's SIGKILL then ends it). A daemon that exits by itself runs its
+    /// shutdown: the final journal flush, and the profile a build instrumented for profile-guided
     /// optimisation writes at exit (`scripts/build-pgo` trains on this bench).
-    pub(crate) fn stop(&mut self, deadline: Duration) -> bool {
-        self.child.terminate_within(deadline).is_some()
+    pub(crate) fn stop(&mut self) -> bool {
+        self.child.terminate_within(STOP_TIMEOUT).is_some()
     }
 }
 
@@ -59,7 +59,7 @@ pub(crate) async fn start_daemon(dir: &Path, nats_url: &str, mode: Mode) -> (Pro
     if mode == Mode::Core {
         cmd.arg("--no-jetstream");
     }
-    let mut proc = Proc::spawn("kvrouted", cmd, dir.join("kvrouted.log"));
+    let mut proc = Proc::spawn(cmd, dir.join("kvrouted.log"));
     let client = reqwest::Client::new();
     let start = Instant::now();
     loop {
