@@ -15,7 +15,8 @@
 //! and the goals are not judged), `--pause DURATION` (a wait before each index's run, e.g.
 //! `4s`) and `--per-rep` (each repetition's rates, not only the medians): the two that showed
 //! why some runs apply more slowly on a VM that takes back freed memory (docs/performance.md,
-//! the forty-first part).
+//! the forty-first part); `--isolate` (each repetition of each index in a process of its own, so
+//! no index grows into memory another freed: the forty-fourth part).
 //!
 //! After each fleet size's table the run states the performance round's goals it can read off
 //! that table, met or missed (`goals.rs`).
@@ -144,6 +145,17 @@ struct Options {
     /// Print each repetition's rates as it finishes, not only the medians
     #[arg(long)]
     per_rep: bool,
+    /// Run each repetition of each index in a process of its own (this binary again, with the
+    /// same trace and options), so no index grows its tables into memory another index freed:
+    /// every row starts from a new process, as a daemon does. In one process an index is faster
+    /// after a row that freed tables like its own (docs/performance.md, the forty-third part).
+    /// Each process builds the stream again, so a run takes longer
+    #[arg(long)]
+    isolate: bool,
+    /// What `--isolate` runs: the one index of `--only`, once, at the one fleet size of
+    /// `--workers`, printed as one JSON line
+    #[arg(long, hide = true, requires = "only")]
+    one_repetition: bool,
     /// Passed by `cargo bench`; ignored
     #[arg(long, hide = true)]
     bench: bool,
@@ -206,6 +218,7 @@ const DEFAULT_TRACE: &str = concat!(
 // ---------------------------------------------------------------------------------------------
 // Replay and report.
 
+#[derive(serde::Serialize, serde::Deserialize)]
 struct Rep {
     events_per_s: f64,
     lookups_per_s: f64,
@@ -370,6 +383,62 @@ fn run_subject(name: &str, stream: &Stream, filter: &LookupFilter) -> Rep {
     }
 }
 
+/// One repetition of `name` at `workers` in a process of its own (`--isolate`): this binary
+/// again, with the run's trace and options, `--one-repetition`.
+fn run_isolated(o: &Options, name: &str, workers: usize) -> Rep {
+    let exe = std::env::current_exe().expect("the bench's own path");
+    let mut child = std::process::Command::new(exe);
+    child
+        .arg("--one-repetition")
+        .args(["--only", name])
+        .args(["--workers", &workers.to_string()])
+        .arg("--trace")
+        .arg(&o.trace)
+        .args(["--dup", &o.dup.to_string()])
+        .args(["--capacity", &o.capacity.to_string()]);
+    if let Some(n) = o.requests {
+        child.args(["--requests", &n.to_string()]);
+    }
+    for (flag, range) in [
+        ("--only-depths", &o.lookups.depths),
+        ("--only-prompt-blocks", &o.lookups.prompt_blocks),
+    ] {
+        if let Some(r) = range {
+            child.args([flag, &format!("{}..{}", r.start, r.end)]);
+        }
+    }
+    let output = child
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("the bench starts itself again");
+    assert!(
+        output.status.success(),
+        "the process running {name} at {workers} workers failed ({})",
+        output.status
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| {
+        panic!(
+            "the process running {name} at {workers} workers printed no repetition ({e}): {line}"
+        )
+    })
+}
+
+/// `--one-repetition`: the index of `--only` run once at the fleet size of `--workers`, its
+/// repetition printed as one JSON line (what [`run_isolated`] reads).
+fn one_repetition(o: &Options, trace: &[Vec<u64>]) {
+    let (Some([name]), [workers]) = (o.only.as_deref(), o.workers.as_slice()) else {
+        panic!("--one-repetition runs one index (--only) at one fleet size (--workers)");
+    };
+    let stream = generate(trace, *workers, o.capacity, o.dup);
+    let rep = run_subject(name, &stream, &o.lookups);
+    println!(
+        "{}",
+        serde_json::to_string(&rep).expect("a repetition as JSON")
+    );
+}
+
 /// The empty interval subtracted from every measurement, in ns.
 fn timer_floor_ns() -> f64 {
     let c = clock();
@@ -380,6 +449,9 @@ fn main() {
     let started = Instant::now();
     let o = Options::parse();
     let trace = load_trace(&o.trace, o.requests);
+    if o.one_repetition {
+        return one_repetition(&o, &trace);
+    }
     println!(
         "trace {} ({} requests{}), dup {}, capacity {} blocks/worker, reps {}, timer floor {:.0} ns subtracted per op; load average {}",
         o.trace.display(),
@@ -391,6 +463,9 @@ fn main() {
         timer_floor_ns(),
         loadavg()
     );
+    if o.isolate {
+        println!("each repetition of each index runs in a process of its own (--isolate)");
+    }
     let filter = &o.lookups;
     if filter.is_narrowed() {
         println!(
@@ -434,7 +509,11 @@ fn main() {
                 let i = (k + rep) % SUBJECTS.len();
                 if chosen(SUBJECTS[i]) {
                     std::thread::sleep(o.pause);
-                    let r = run_subject(SUBJECTS[i], &stream, filter);
+                    let r = if o.isolate {
+                        run_isolated(&o, SUBJECTS[i], workers)
+                    } else {
+                        run_subject(SUBJECTS[i], &stream, filter)
+                    };
                     if o.per_rep {
                         println!(
                             "repetition {rep} {}: {:.2} M events/s, {:.2} M lookups/s, p99 {} ns",
@@ -500,12 +579,13 @@ fn main() {
         loadavg()
     );
     println!(
-        "{{\"bench\":\"peers\",\"trace\":\"{}\",\"requests\":{},\"dup\":{},\"capacity_blocks\":{},\"reps\":{},\"only_depths\":{},\"only_prompt_blocks\":{},\"results\":[{}]}}",
+        "{{\"bench\":\"peers\",\"trace\":\"{}\",\"requests\":{},\"dup\":{},\"capacity_blocks\":{},\"reps\":{},\"isolate\":{},\"only_depths\":{},\"only_prompt_blocks\":{},\"results\":[{}]}}",
         o.trace.file_name().and_then(|n| n.to_str()).unwrap_or("?"),
         trace.len(),
         o.dup,
         o.capacity,
         o.reps,
+        o.isolate,
         json_blocks(filter.depths.as_ref()),
         json_blocks(filter.prompt_blocks.as_ref()),
         json_rows.join(",")
