@@ -152,13 +152,28 @@ struct Options {
     /// Each process builds the stream again, so a run takes longer
     #[arg(long)]
     isolate: bool,
-    /// What `--isolate` runs: the one index of `--only`, once, at the one fleet size of
-    /// `--workers`, printed as one JSON line
-    #[arg(long, hide = true, requires = "only")]
-    one_repetition: bool,
+    /// What `--isolate` runs, with the run's own options: one repetition of INDEX at WORKERS
+    /// workers, printed as one JSON line (the run's `--only`, `--workers` and `--reps` are not
+    /// read)
+    #[arg(long, hide = true, value_name = "INDEX:WORKERS", value_parser = parse_one_repetition)]
+    one_repetition: Option<(String, usize)>,
     /// Passed by `cargo bench`; ignored
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// `INDEX:WORKERS`, as `--isolate` asks for one repetition.
+fn parse_one_repetition(text: &str) -> Result<(String, usize), String> {
+    let (name, workers) = text
+        .split_once(':')
+        .ok_or_else(|| format!("`{text}` is not INDEX:WORKERS"))?;
+    if !SUBJECTS.contains(&name) {
+        return Err(format!("`{name}` is not an index of the bench"));
+    }
+    let workers = workers
+        .parse()
+        .map_err(|e| format!("`{workers}` is not a number of workers: {e}"))?;
+    Ok((name.to_string(), workers))
 }
 
 /// A range of block counts, `MIN..MAX` (MAX excluded).
@@ -384,30 +399,13 @@ fn run_subject(name: &str, stream: &Stream, filter: &LookupFilter) -> Rep {
 }
 
 /// One repetition of `name` at `workers` in a process of its own (`--isolate`): this binary
-/// again, with the run's trace and options, `--one-repetition`.
-fn run_isolated(o: &Options, name: &str, workers: usize) -> Rep {
+/// again, with this run's own arguments (the trace, its options and the lookup filter as given)
+/// and `--one-repetition`.
+fn run_isolated(name: &str, workers: usize) -> Rep {
     let exe = std::env::current_exe().expect("the bench's own path");
-    let mut child = std::process::Command::new(exe);
-    child
-        .arg("--one-repetition")
-        .args(["--only", name])
-        .args(["--workers", &workers.to_string()])
-        .arg("--trace")
-        .arg(&o.trace)
-        .args(["--dup", &o.dup.to_string()])
-        .args(["--capacity", &o.capacity.to_string()]);
-    if let Some(n) = o.requests {
-        child.args(["--requests", &n.to_string()]);
-    }
-    for (flag, range) in [
-        ("--only-depths", &o.lookups.depths),
-        ("--only-prompt-blocks", &o.lookups.prompt_blocks),
-    ] {
-        if let Some(r) = range {
-            child.args([flag, &format!("{}..{}", r.start, r.end)]);
-        }
-    }
-    let output = child
+    let output = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .arg(format!("--one-repetition={name}:{workers}"))
         .stderr(std::process::Stdio::inherit())
         .output()
         .expect("the bench starts itself again");
@@ -425,13 +423,10 @@ fn run_isolated(o: &Options, name: &str, workers: usize) -> Rep {
     })
 }
 
-/// `--one-repetition`: the index of `--only` run once at the fleet size of `--workers`, its
-/// repetition printed as one JSON line (what [`run_isolated`] reads).
-fn one_repetition(o: &Options, trace: &[Vec<u64>]) {
-    let (Some([name]), [workers]) = (o.only.as_deref(), o.workers.as_slice()) else {
-        panic!("--one-repetition runs one index (--only) at one fleet size (--workers)");
-    };
-    let stream = generate(trace, *workers, o.capacity, o.dup);
+/// `--one-repetition`: `name` run once at `workers` workers, its repetition printed as one JSON
+/// line (what [`run_isolated`] reads).
+fn one_repetition(o: &Options, trace: &[Vec<u64>], name: &str, workers: usize) {
+    let stream = generate(trace, workers, o.capacity, o.dup);
     let rep = run_subject(name, &stream, &o.lookups);
     println!(
         "{}",
@@ -449,8 +444,8 @@ fn main() {
     let started = Instant::now();
     let o = Options::parse();
     let trace = load_trace(&o.trace, o.requests);
-    if o.one_repetition {
-        return one_repetition(&o, &trace);
+    if let Some((name, workers)) = &o.one_repetition {
+        return one_repetition(&o, &trace, name, *workers);
     }
     println!(
         "trace {} ({} requests{}), dup {}, capacity {} blocks/worker, reps {}, timer floor {:.0} ns subtracted per op; load average {}",
@@ -510,7 +505,7 @@ fn main() {
                 if chosen(SUBJECTS[i]) {
                     std::thread::sleep(o.pause);
                     let r = if o.isolate {
-                        run_isolated(&o, SUBJECTS[i], workers)
+                        run_isolated(SUBJECTS[i], workers)
                     } else {
                         run_subject(SUBJECTS[i], &stream, filter)
                     };
