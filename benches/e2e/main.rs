@@ -9,8 +9,8 @@
 //! connections, default 4), `--workers-per-publisher N` (default 4), `--concurrency N` (HTTP
 //! requests in flight, default 16), `--window N` (unacknowledged JetStream publishes per
 //! connection, default 256), `--modes jetstream,core`, `--max-seconds N` (default 600). Needs
-//! `nats-server` on the PATH, in /usr/sbin, or at `NATS_SERVER_BIN`. `E2E_DAEMON_BIN` runs another
-//! build of the daemon (for an A/B comparison).
+//! `nats-server` on the PATH, in /usr/sbin, or at `NATS_SERVER_BIN`. `KVROUTED_BIN` runs another
+//! build of the daemon (for an A/B comparison), as for the tests.
 //!
 //! Per NATS mode (JetStream, then core NATS with `--no-jetstream`), on a fresh broker and data
 //! dir:
@@ -63,7 +63,9 @@ use kvrouted::wire::{encode_load, encode_vllm_batch, VllmEvent};
 use serde::Deserialize;
 use tempfile::TempDir;
 
-use kvrouted_testkit::{free_port, start_watchdog, wait_for_port, Nats, Process, Watched};
+use kvrouted_testkit::{
+    free_port, kvrouted_bin, start_watchdog, wait_for_port, Nats, Process, Watched,
+};
 
 const BLOCK: usize = 16;
 const BATCH_BLOCKS: usize = 32;
@@ -115,7 +117,8 @@ fn main() {
     };
     let mut report = Report { json: Vec::new() };
     report.line(format!(
-        "e2e: {} per phase, {} publisher connections × {} workers, HTTP concurrency {}, JetStream window {}; nproc {}; load average {}",
+        "e2e: daemon {}; {} per phase, {} publisher connections × {} workers, HTTP concurrency {}, JetStream window {}; nproc {}; load average {}",
+        kvrouted_bin().display(),
         humantime::format_duration(o.duration),
         o.publishers,
         o.workers_per_publisher,

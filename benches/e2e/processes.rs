@@ -43,10 +43,9 @@ impl Proc {
 
 pub(crate) async fn start_daemon(dir: &Path, nats_url: &str, mode: Mode) -> (Proc, SocketAddr) {
     let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    // `E2E_DAEMON_BIN` measures another build of the daemon (an A/B comparison) with this bench.
-    let bin =
-        std::env::var_os("E2E_DAEMON_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_kvrouted").into());
-    let mut cmd = Command::new(bin);
+    // `KVROUTED_BIN` measures another build of the daemon (an A/B comparison) with this bench,
+    // as it runs the tests and the attacks bench against one.
+    let mut cmd = Command::new(kvrouted_bin());
     cmd.arg("serve")
         .args(["--nats-url", nats_url, "--http-addr", &http.to_string()])
         .arg("--data-dir")
