@@ -167,6 +167,8 @@ impl<'de> Deserialize<'de> for ApproxMap {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let wire = FxHashMap::<u64, Records>::deserialize(deserializer)?;
         let mut map = ApproxMap::default();
+        // Sized once for the records read (as the owner map's table is).
+        map.table.reserve(wire.len());
         for (key, records) in wire {
             if !records.is_empty() {
                 let value = value_of(&mut map.slab, records);

@@ -477,6 +477,25 @@ impl KeyTable {
             .map(|(i, _)| self.entry(i))
     }
 
+    /// Room for `additional` more entries without growing, made at once: a table restored from
+    /// a snapshot knows how many entries it will hold, where inserting them one by one would
+    /// double its way there, rehashing everything it held at each step (and writing about twice
+    /// its final size into new arrays).
+    pub fn reserve(&mut self, additional: usize) {
+        let needed = self.len.saturating_add(additional);
+        if needed * MAX_LOAD.1 > self.tags.len() * MAX_LOAD.0 {
+            // The smallest table holding `needed` entries at `MAX_LOAD`: the size the doublings
+            // would have reached.
+            let buckets = needed
+                .checked_mul(MAX_LOAD.1)
+                .expect("table size overflows")
+                .div_ceil(MAX_LOAD.0)
+                .next_power_of_two()
+                .max(MIN_BUCKETS);
+            self.resize(buckets);
+        }
+    }
+
     /// Room for one more entry: a comparison, inlined into each insert; the growth itself is
     /// rare and out of line.
     #[inline(always)]
@@ -491,6 +510,8 @@ impl KeyTable {
     #[inline(never)]
     fn resize(&mut self, buckets: usize) {
         debug_assert!(buckets.is_power_of_two() && self.len * MAX_LOAD.1 <= buckets * MAX_LOAD.0);
+        #[cfg(test)]
+        RESIZES.with(|n| n.set(n.get() + 1));
         // FREE is zero: a zeroed tag array is all free.
         let old_tags = std::mem::replace(&mut self.tags, TableArray::zeroed(buckets));
         let old = std::mem::replace(&mut self.buckets, TableArray::unwritten(buckets));
@@ -510,6 +531,20 @@ impl KeyTable {
             }
         }
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Resizes made on this thread, for tests that count a restore's.
+    static RESIZES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Resizes of every table `f` makes on this thread.
+#[cfg(test)]
+pub(super) fn resizes_in(f: impl FnOnce()) -> usize {
+    let before = RESIZES.with(|n| n.get());
+    f();
+    RESIZES.with(|n| n.get()) - before
 }
 
 /// A held key's bucket ([`KeyTable::occupied`]): its value changed in place, or the key removed,
@@ -543,6 +578,10 @@ impl Serialize for KeyTable {
     }
 }
 
+/// The most entries a decoded table makes room for before it reads them (1,048,576, in 34 MiB of
+/// arrays); a larger table grows as it fills past them.
+const MAX_PRESIZED_ENTRIES: usize = 1 << 20;
+
 impl<'de> Deserialize<'de> for KeyTable {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct TableVisitor;
@@ -553,6 +592,9 @@ impl<'de> Deserialize<'de> for KeyTable {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<KeyTable, A::Error> {
                 let mut table = KeyTable::default();
+                // Sized once for the entries the map says it holds, up to a bound: a damaged
+                // length then costs at most that much memory before the entries run out.
+                table.reserve(access.size_hint().unwrap_or(0).min(MAX_PRESIZED_ENTRIES));
                 while let Some((k, v)) = access.next_entry::<u64, u64>()? {
                     table.insert(k, v);
                 }
@@ -853,6 +895,69 @@ mod tests {
             entries,
             vec![(0, 5), (1, 4), (7, 2), (u64::MAX, u64::MAX ^ 5)],
             "a map written before the table loads into it"
+        );
+    }
+
+    #[test]
+    fn a_reserved_table_takes_its_entries_without_growing() {
+        for n in [1, 6, 7, 100, 3 * 1024, 3 * 1024 + 1, 100_000] {
+            let mut table = KeyTable::default();
+            table.reserve(n);
+            let buckets = table.tags.len();
+            assert!(
+                n * MAX_LOAD.1 <= buckets * MAX_LOAD.0 && buckets / 2 * MAX_LOAD.0 < n * MAX_LOAD.1
+                    || buckets == MIN_BUCKETS,
+                "room for {n} entries is the smallest table holding them: {buckets} buckets"
+            );
+            let grew = resizes_in(|| {
+                for k in 0..n as u64 {
+                    table.insert(k.wrapping_mul(0x9E37_79B9), k);
+                }
+            });
+            assert_eq!(grew, 0, "{n} reserved entries went in without a resize");
+            assert_eq!(table.len(), n);
+            assert!((0..n as u64).all(|k| table.get(k.wrapping_mul(0x9E37_79B9)) == Some(k)));
+        }
+        let mut table = KeyTable::default();
+        table.reserve(10);
+        let buckets = table.tags.len();
+        table.reserve(5);
+        assert_eq!(
+            table.tags.len(),
+            buckets,
+            "room already there is not made again"
+        );
+    }
+
+    #[test]
+    fn a_restored_table_is_sized_once_and_a_damaged_length_costs_a_bounded_table() {
+        let mut table = KeyTable::default();
+        for k in 0..50_000u64 {
+            table.insert(k * 3, k);
+        }
+        let bytes = rmp_serde::to_vec(&table).unwrap();
+        let mut restored = None;
+        let resized = resizes_in(|| restored = Some(rmp_serde::from_slice::<KeyTable>(&bytes)));
+        let restored = restored.unwrap().unwrap();
+        assert_eq!(
+            resized, 1,
+            "a restored table is sized for its entries once, then filled"
+        );
+        assert_eq!(restored.len(), 50_000);
+        assert_eq!(
+            restored.tags.len(),
+            table.tags.len(),
+            "the size inserting them gives"
+        );
+        assert!((0..50_000u64).all(|k| restored.get(k * 3) == Some(k)));
+
+        // A map header claiming 2^32 - 1 entries, then one entry: an error, after reserving at
+        // most MAX_PRESIZED_ENTRIES.
+        let mut damaged = vec![0xdf, 0xff, 0xff, 0xff, 0xff];
+        damaged.extend(rmp_serde::to_vec(&(1u64, 2u64)).unwrap()[1..].iter());
+        assert!(
+            rmp_serde::from_slice::<KeyTable>(&damaged).is_err(),
+            "a map shorter than its length is refused"
         );
     }
 }
