@@ -578,9 +578,10 @@ impl Serialize for KeyTable {
     }
 }
 
-/// The most entries a decoded table makes room for before it reads them (1,048,576, in 34 MiB of
-/// arrays); a larger table grows as it fills past them.
-const MAX_PRESIZED_ENTRIES: usize = 1 << 20;
+/// The most entries a decoded table makes room for before it reads them (2,097,152, in 68 MiB of
+/// arrays: the owner table of a snapshot of 2M blocks); a larger table grows as it fills past
+/// them, and a damaged length costs no more than that before the decode fails.
+const MAX_PRESIZED_ENTRIES: usize = 1 << 21;
 
 impl<'de> Deserialize<'de> for KeyTable {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {

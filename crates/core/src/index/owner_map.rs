@@ -220,10 +220,19 @@ impl fmt::Debug for OwnerMap {
 
 /// The snapshot form, unchanged since the overflow lived in a hash map of its own: `inline`
 /// maps every block to its packed pair (both positions [`OVERFLOW`] for an overflowed block),
-/// `overflow` maps overflowed blocks to their owner lists.
+/// `overflow` maps overflowed blocks to their owner lists. Decoded with `inline` straight into
+/// the table the map keeps ([`KeyTable`] reads the same map form), so a million-block snapshot
+/// is not first built as a hash map of its own and then copied entry by entry.
 #[derive(Deserialize)]
-#[cfg_attr(test, derive(Serialize, PartialEq, Debug))]
 struct OwnerMapWire {
+    inline: KeyTable,
+    overflow: FxHashMap<u64, Overflow>,
+}
+
+/// The snapshot form as generic maps, for the tests that check it is unchanged.
+#[cfg(test)]
+#[derive(Serialize, Deserialize, PartialEq, Debug)]
+struct OwnerMapForm {
     inline: FxHashMap<u64, u64>,
     overflow: FxHashMap<u64, Overflow>,
 }
@@ -272,22 +281,30 @@ impl Serialize for OwnerMap {
 
 impl<'de> Deserialize<'de> for OwnerMap {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let mut wire = OwnerMapWire::deserialize(deserializer)?;
-        let mut map = OwnerMap::default();
-        // Sized once: the decoded map holds exactly the entries the table will (a million-block
-        // snapshot otherwise doubles the table about eighteen times as it loads).
-        map.inline.reserve(wire.inline.len());
-        for (key, packed) in wire.inline {
-            let packed = match unpack(packed) {
-                (OVERFLOW, _) => {
-                    let owners = wire.overflow.remove(&key).ok_or_else(|| {
-                        serde::de::Error::custom(format!("block {key:#x} overflows to no owners"))
-                    })?;
-                    pack(OVERFLOW, map.overflow.put(owners) as Slot)
-                }
-                _ => packed,
-            };
-            map.inline.insert(key, packed);
+        let OwnerMapWire {
+            inline,
+            mut overflow,
+        } = OwnerMapWire::deserialize(deserializer)?;
+        // The overflowed blocks' values name no list yet: each gets its list's place in the slab.
+        let overflowed: Vec<u64> = inline
+            .iter()
+            .filter(|&(_, packed)| unpack(packed).0 == OVERFLOW)
+            .map(|(key, _)| key)
+            .collect();
+        let mut map = OwnerMap {
+            inline,
+            overflow: Slab::default(),
+        };
+        for key in overflowed {
+            let owners = overflow.remove(&key).ok_or_else(|| {
+                serde::de::Error::custom(format!("block {key:#x} overflows to no owners"))
+            })?;
+            let at = map.overflow.put(owners) as Slot;
+            let mut entry = map
+                .inline
+                .occupied(key)
+                .expect("an overflowed block is held");
+            *entry.value() = pack(OVERFLOW, at);
         }
         Ok(map)
     }
@@ -461,9 +478,9 @@ mod tests {
                 map.add(key, slot);
             }
         }
-        let wire: OwnerMapWire =
+        let wire: OwnerMapForm =
             rmp_serde::from_slice(&rmp_serde::to_vec(&map).unwrap()).expect("decodes as before");
-        let expected = OwnerMapWire {
+        let expected = OwnerMapForm {
             inline: [
                 (1, pack(5, EMPTY)),
                 (2, pack(5, 6)),
@@ -513,5 +530,23 @@ mod tests {
                 "owners survive the restore"
             );
         }
+    }
+
+    #[test]
+    fn a_snapshot_whose_overflowed_block_has_no_list_is_refused() {
+        let form = OwnerMapForm {
+            inline: [(1, pack(5, EMPTY)), (0xab, pack(OVERFLOW, OVERFLOW))]
+                .into_iter()
+                .collect(),
+            overflow: [(2, smallvec![1, 2, 3])].into_iter().collect(),
+        };
+        let err = rmp_serde::from_slice::<OwnerMap>(&rmp_serde::to_vec(&form).unwrap())
+            .err()
+            .expect("a block marked overflowed without its list does not load");
+        assert!(
+            err.to_string()
+                .contains("block 0xab overflows to no owners"),
+            "the error names the block: {err}"
+        );
     }
 }
