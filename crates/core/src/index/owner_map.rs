@@ -493,12 +493,18 @@ mod tests {
         assert_eq!(wire, expected, "the snapshot form is unchanged");
         let back: OwnerMap =
             rmp_serde::from_slice(&rmp_serde::to_vec(&expected).unwrap()).expect("old form loads");
-        for key in 1..=3 {
-            assert_eq!(
-                owners(&back, key),
-                owners(&map, key),
-                "an old snapshot loads the same owners"
-            );
+        assert_same_owners(&back, &map, 1..=3, "an old snapshot loads the same owners");
+    }
+
+    /// Asserts that `back` holds the same owners as `map` for each of `keys`.
+    fn assert_same_owners(
+        back: &OwnerMap,
+        map: &OwnerMap,
+        keys: impl IntoIterator<Item = u64>,
+        why: &str,
+    ) {
+        for key in keys {
+            assert_eq!(owners(back, key), owners(map, key), "{why} (block {key})");
         }
     }
 
@@ -523,13 +529,12 @@ mod tests {
             "a restored owner map sizes its table once, then fills it"
         );
         assert_eq!(back.len(), map.len());
-        for key in [0u64, 1, 2, 3, 9_999, 19_998, 19_999] {
-            assert_eq!(
-                owners(&back, key),
-                owners(&map, key),
-                "owners survive the restore"
-            );
-        }
+        assert_same_owners(
+            &back,
+            &map,
+            [0, 1, 2, 3, 9_999, 19_998, 19_999],
+            "owners survive the restore",
+        );
     }
 
     #[test]
