@@ -546,8 +546,7 @@ mod tests {
             overflow: [(2, smallvec![1, 2, 3])].into_iter().collect(),
         };
         let err = rmp_serde::from_slice::<OwnerMap>(&rmp_serde::to_vec(&form).unwrap())
-            .err()
-            .expect("a block marked overflowed without its list does not load");
+            .expect_err("a block marked overflowed without its list does not load");
         assert!(
             err.to_string()
                 .contains("block 0xab overflows to no owners"),
