@@ -10,7 +10,8 @@ use serde_json::Value;
 use tempfile::TempDir;
 
 use crate::poll::{eventually, eventually_within, poll_until, DEADLINE};
-use crate::processes::{free_port, Process};
+use crate::ports::free_port;
+use crate::processes::Process;
 use crate::worker::Worker;
 
 /// The `kvrouted` binary under test: `$KVROUTED_BIN`, else the one cargo built next to the

@@ -16,11 +16,12 @@
 #![allow(dead_code)]
 
 use std::collections::VecDeque;
-use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::ports::free_port_run;
 
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -65,25 +66,6 @@ pub struct TestEngine {
     pub pub_port: u16,
     pub replay_port: u16,
     ranks: Vec<RankPublisher>,
-}
-
-/// A base port such that `base .. base + n` are all free on loopback.
-pub fn free_port_run(n: u16) -> u16 {
-    for _ in 0..200 {
-        let base = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if base.checked_add(n).is_none() {
-            continue;
-        }
-        let all_free = (0..n).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok());
-        if all_free {
-            return base;
-        }
-    }
-    panic!("no run of {n} free ports");
 }
 
 impl TestEngine {

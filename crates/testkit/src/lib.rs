@@ -6,8 +6,10 @@
 //!
 //! # Layout
 //!
-//! - [`processes`]: free loopback ports, waiting for a port, finding `nats-server`, the CPU
-//!   time and memory a process has used.
+//! - [`ports`]: free loopback ports for the servers a test starts, drawn below the kernel's
+//!   ephemeral range.
+//! - [`processes`]: waiting for a port, finding `nats-server`, the CPU time and memory a
+//!   process has used.
 //! - [`nats`]: [`Nats`], a nats-server with JetStream and its own storage; [`NatsCluster`], 3
 //!   of them clustered, each killable and restartable.
 //! - [`daemon`]: [`Daemon`], the `kvrouted` binary under test, and its HTTP helpers;
@@ -21,7 +23,8 @@
 //!   replays KV events exactly as vLLM's and SGLang's `ZmqEventPublisher` do (feature `engine`).
 //! - [`counting_alloc`]: a global allocator that counts live heap bytes and allocations, for
 //!   memory figures and for checking that a path allocates only what it hands back.
-//!   The only part without the `processes` feature (the peer benchmark uses it alone).
+//!   With [`ports`], the only parts without the `processes` feature (the peer benchmark uses
+//!   the allocator alone).
 
 pub mod counting_alloc;
 #[cfg(feature = "processes")]
@@ -32,6 +35,7 @@ pub mod engine;
 pub mod nats;
 #[cfg(feature = "processes")]
 pub mod poll;
+pub mod ports;
 #[cfg(feature = "processes")]
 pub mod processes;
 #[cfg(feature = "processes")]
@@ -49,9 +53,9 @@ pub use nats::{Nats, NatsCluster};
 #[cfg(feature = "processes")]
 pub use poll::{eventually, eventually_within, poll_until, DEADLINE};
 #[cfg(feature = "processes")]
-pub use processes::{
-    clk_tck, cpu_ticks, free_port, nats_server_bin, resident_mib, wait_for_port, Process,
-};
+pub use ports::free_port;
+#[cfg(feature = "processes")]
+pub use processes::{clk_tck, cpu_ticks, nats_server_bin, resident_mib, wait_for_port, Process};
 #[cfg(feature = "processes")]
 pub use watchdog::{start_watchdog, ProcessHandle, Watched};
 #[cfg(feature = "processes")]

@@ -7,7 +7,8 @@ use std::process::{Child, Command, Stdio};
 use tempfile::TempDir;
 
 use crate::poll::{eventually, poll_until};
-use crate::processes::{free_port, nats_server_bin, LISTEN_DEADLINE};
+use crate::ports::free_port;
+use crate::processes::{nats_server_bin, LISTEN_DEADLINE};
 
 /// Starts on fresh ports before giving up. A port picked free can be taken before the server
 /// binds it (by another test's server, or as the source port of an outgoing connection); the

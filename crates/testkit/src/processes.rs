@@ -1,7 +1,7 @@
 //! Finding ports and the nats-server binary for processes a benchmark or test starts on
 //! loopback, and the CPU time a process has used.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -9,15 +9,6 @@ use crate::poll::poll_until;
 
 /// How long a started process may take to listen.
 pub(crate) const LISTEN_DEADLINE: Duration = Duration::from_secs(20);
-
-/// A free TCP port on loopback (bound and released; the OS does not hand it out again at once).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// Polls until something listens on `port`, or panics naming `what`.
 pub fn wait_for_port(port: u16, what: &str) {
