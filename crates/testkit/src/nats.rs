@@ -10,8 +10,9 @@ use crate::poll::{eventually, poll_until};
 use crate::ports::free_port;
 use crate::processes::{nats_server_bin, LISTEN_DEADLINE};
 
-/// Starts on fresh ports before giving up. A port picked free can be taken before the server
-/// binds it (by another test's server, or as the source port of an outgoing connection); the
+/// Starts on fresh ports before giving up. A port picked free can still be taken before the
+/// server binds it by a server another test process started ([`free_port`] keeps ports off the
+/// range outgoing connections take theirs from, and never repeats one within a process); the
 /// server then exits at once.
 const START_ATTEMPTS: usize = 5;
 
