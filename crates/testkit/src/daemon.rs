@@ -111,8 +111,8 @@ pub struct Daemon {
     pub env: Vec<(String, String)>,
     /// Whether `--http-addr` is passed; off when the address comes from a file or the environment.
     pub pass_http_addr: bool,
-    /// Bytes the data dir holds (see [`on_bounded_data_dir`]): a write past them fails with
-    /// `ENOSPC`, as on a full disk.
+    /// Bytes the data dir holds: a write past them fails with `ENOSPC`, as on a full disk (the
+    /// daemon runs on a tmpfs of that size mounted on its data dir).
     pub data_dir_capacity: Option<u64>,
     log: PathBuf,
     _dir: Option<TempDir>,
