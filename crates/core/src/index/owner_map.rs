@@ -8,7 +8,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use rustc_hash::FxHashMap;
+use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::ser::{SerializeMap, SerializeStruct};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use smallvec::{smallvec, SmallVec};
@@ -218,23 +218,12 @@ impl fmt::Debug for OwnerMap {
     }
 }
 
-/// The snapshot form, unchanged since the overflow lived in a hash map of its own: `inline`
-/// maps every block to its packed pair (both positions [`OVERFLOW`] for an overflowed block),
-/// `overflow` maps overflowed blocks to their owner lists. Decoded with `inline` straight into
-/// the table the map keeps ([`KeyTable`] reads the same map form), so a million-block snapshot
-/// is not first built as a hash map of its own and then copied entry by entry.
-#[derive(Deserialize)]
-struct OwnerMapWire {
-    inline: KeyTable,
-    overflow: FxHashMap<u64, Overflow>,
-}
-
 /// The snapshot form as generic maps, for the tests that check it is unchanged.
 #[cfg(test)]
 #[derive(Serialize, Deserialize, PartialEq, Debug)]
 struct OwnerMapForm {
-    inline: FxHashMap<u64, u64>,
-    overflow: FxHashMap<u64, Overflow>,
+    inline: rustc_hash::FxHashMap<u64, u64>,
+    overflow: rustc_hash::FxHashMap<u64, Overflow>,
 }
 
 impl OwnerMap {
@@ -279,36 +268,134 @@ impl Serialize for OwnerMap {
     }
 }
 
+/// The snapshot form, unchanged since the overflow lived in a hash map of its own: `inline` maps
+/// every block to its packed pair (both positions [`OVERFLOW`] for an overflowed block), then
+/// `overflow` maps overflowed blocks to their owner lists. Both are decoded where they will stay:
+/// `inline` straight into the table the map keeps ([`KeyTable`] reads the same map form), and
+/// each list straight into the slab, its block's value pointed at it as it is read. So a
+/// million-block snapshot is built once, not first as hash maps of its own and then copied.
 impl<'de> Deserialize<'de> for OwnerMap {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let OwnerMapWire {
-            inline,
-            mut overflow,
-        } = OwnerMapWire::deserialize(deserializer)?;
-        // The overflowed blocks' values name no list yet: each gets its list's place in the slab.
-        let overflowed: Vec<u64> = inline
-            .iter()
-            .filter(|&(_, packed)| unpack(packed).0 == OVERFLOW)
-            .map(|(key, _)| key)
-            .collect();
+        deserializer.deserialize_struct("OwnerMap", &["inline", "overflow"], OwnerMapVisitor)
+    }
+}
+
+struct OwnerMapVisitor;
+
+/// The snapshot's two fields, by name where a struct is written as a map.
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "lowercase")]
+enum OwnerMapField {
+    Inline,
+    Overflow,
+}
+
+impl<'de> Visitor<'de> for OwnerMapVisitor {
+    type Value = OwnerMap;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an owner map: its blocks' packed owners, then the overflowed blocks' lists")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<OwnerMap, A::Error> {
+        let inline = seq
+            .next_element()?
+            .ok_or_else(|| de::Error::invalid_length(0, &self))?;
         let mut map = OwnerMap {
             inline,
             overflow: Slab::default(),
         };
-        for key in overflowed {
-            let owners = overflow.remove(&key).ok_or_else(|| {
-                serde::de::Error::custom(format!("block {key:#x} overflows to no owners"))
-            })?;
-            let at = map.overflow.put(owners) as Slot;
-            let mut entry = map
-                .inline
-                .occupied(key)
-                .expect("an overflowed block is held");
-            *entry.value() = pack(OVERFLOW, at);
-        }
+        seq.next_element_seed(OverflowLists(&mut map))?
+            .ok_or_else(|| de::Error::invalid_length(1, &self))?;
+        map.every_overflowed_block_has_its_list()?;
+        Ok(map)
+    }
+
+    /// The same fields by name, as they are written: the lists name blocks of the table, so
+    /// the table comes first.
+    fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<OwnerMap, A::Error> {
+        let Some(OwnerMapField::Inline) = access.next_key()? else {
+            return Err(de::Error::custom("an owner map's `inline` must come first"));
+        };
+        let mut map = OwnerMap {
+            inline: access.next_value()?,
+            overflow: Slab::default(),
+        };
+        let Some(OwnerMapField::Overflow) = access.next_key()? else {
+            return Err(de::Error::missing_field("overflow"));
+        };
+        access.next_value_seed(OverflowLists(&mut map))?;
+        map.every_overflowed_block_has_its_list()?;
         Ok(map)
     }
 }
+
+/// Decodes the overflow lists into a map whose table is already decoded: each list goes into the
+/// slab and its block's value names it. A list must name a block the table marks overflowed and
+/// not yet given one; anything else is a damaged snapshot (the writer lists each overflowed block
+/// once), refused by name.
+struct OverflowLists<'a>(&'a mut OwnerMap);
+
+impl<'de> DeserializeSeed<'de> for OverflowLists<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for OverflowLists<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a map from overflowed blocks to their owner lists")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<(), A::Error> {
+        let map = self.0;
+        while let Some((key, owners)) = access.next_entry::<u64, Overflow>()? {
+            let refused = || {
+                de::Error::custom(format!(
+                    "block {key:#x} has an owner list but is not marked overflowed, or has two"
+                ))
+            };
+            let mut entry = map.inline.occupied(key).ok_or_else(refused)?;
+            let packed = entry.value();
+            if *packed != pack(OVERFLOW, OVERFLOW) {
+                return Err(refused());
+            }
+            *packed = pack(OVERFLOW, map.overflow.put(owners) as Slot);
+        }
+        Ok(())
+    }
+}
+
+impl OwnerMap {
+    /// After the lists are read, every block the table marks overflowed names a list of its own:
+    /// one whose list never came, or whose mark names none of the lists (a damaged value), is
+    /// refused, so no later step reads a list that is not there.
+    fn every_overflowed_block_has_its_list<E: de::Error>(&self) -> Result<(), E> {
+        let mut overflowed = 0;
+        for (key, packed) in self.inline.iter() {
+            match unpack(packed) {
+                (OVERFLOW, OVERFLOW) => {
+                    return Err(E::custom(format!("block {key:#x} overflows to no owners")))
+                }
+                (OVERFLOW, _) => overflowed += 1,
+                _ => {}
+            }
+        }
+        // Each list placed names the one block it was read for, so a further mark is damaged.
+        if overflowed != self.overflow.live() {
+            return Err(E::custom(format!(
+                "{overflowed} blocks are marked overflowed for {} owner lists",
+                self.overflow.live()
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -537,20 +624,113 @@ mod tests {
         );
     }
 
+    fn load_form(form: &OwnerMapForm) -> Result<OwnerMap, rmp_serde::decode::Error> {
+        rmp_serde::from_slice(&rmp_serde::to_vec(form).unwrap())
+    }
+
     #[test]
     fn a_snapshot_whose_overflowed_block_has_no_list_is_refused() {
         let form = OwnerMapForm {
             inline: [(1, pack(5, EMPTY)), (0xab, pack(OVERFLOW, OVERFLOW))]
                 .into_iter()
                 .collect(),
-            overflow: [(2, smallvec![1, 2, 3])].into_iter().collect(),
+            overflow: Default::default(),
         };
-        let err = rmp_serde::from_slice::<OwnerMap>(&rmp_serde::to_vec(&form).unwrap())
-            .expect_err("a block marked overflowed without its list does not load");
+        let err =
+            load_form(&form).expect_err("a block marked overflowed without its list does not load");
         assert!(
             err.to_string()
                 .contains("block 0xab overflows to no owners"),
             "the error names the block: {err}"
+        );
+    }
+
+    #[test]
+    fn a_snapshot_with_a_damaged_overflow_mark_is_refused_rather_than_read_past_its_lists() {
+        let form = OwnerMapForm {
+            inline: [(1, pack(OVERFLOW, OVERFLOW)), (2, pack(OVERFLOW, 7))]
+                .into_iter()
+                .collect(),
+            overflow: [(1, smallvec![1, 2, 3])].into_iter().collect(),
+        };
+        let err = load_form(&form).expect_err("a mark that names no list read does not load");
+        assert!(
+            err.to_string()
+                .contains("2 blocks are marked overflowed for 1 owner lists"),
+            "the error counts the marks and the lists: {err}"
+        );
+    }
+
+    /// The snapshot form with its lists in a given order, a block's twice if need be.
+    #[derive(Serialize)]
+    struct ListsInOrder {
+        inline: rustc_hash::FxHashMap<u64, u64>,
+        #[serde(serialize_with = "lists_as_map")]
+        overflow: Vec<(u64, Overflow)>,
+    }
+
+    fn lists_as_map<S: Serializer>(lists: &[(u64, Overflow)], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(lists.iter().map(|(key, owners)| (key, owners)))
+    }
+
+    #[test]
+    fn a_snapshot_whose_list_names_no_overflowed_block_is_refused() {
+        let inline: rustc_hash::FxHashMap<u64, u64> =
+            [(1, pack(5, EMPTY)), (2, pack(OVERFLOW, OVERFLOW))]
+                .into_iter()
+                .collect();
+        for (lists, named) in [
+            (vec![(1, smallvec![1, 2, 3])], "0x1"),
+            (vec![(9, smallvec![1, 2, 3])], "0x9"),
+            (
+                vec![(2, smallvec![1, 2, 3]), (2, smallvec![4, 5, 6])],
+                "0x2",
+            ),
+        ] {
+            let form = ListsInOrder {
+                inline: inline.clone(),
+                overflow: lists,
+            };
+            let err = rmp_serde::from_slice::<OwnerMap>(&rmp_serde::to_vec(&form).unwrap())
+                .expect_err("a list for a block not marked overflowed, or a second, does not load");
+            assert!(
+                err.to_string().contains(&format!(
+                    "block {named} has an owner list but is not marked overflowed, or has two"
+                )),
+                "the error names the block: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_snapshot_written_with_field_names_loads_with_its_table_first() {
+        let mut map = OwnerMap::default();
+        for (key, slots) in [(1u64, &[5u32][..]), (2, &[5, 6]), (3, &[1, 2, 3, 1])] {
+            for &slot in slots {
+                map.add(key, slot);
+            }
+        }
+        let back: OwnerMap = rmp_serde::from_slice(&rmp_serde::to_vec_named(&map).unwrap())
+            .expect("the fields by name load");
+        assert_same_owners(&back, &map, 1..=3, "the named form loads the same owners");
+
+        /// The same two fields, the lists first: they name blocks of a table not read yet.
+        #[derive(Serialize)]
+        struct OverflowFirst<'a> {
+            overflow: &'a rustc_hash::FxHashMap<u64, Overflow>,
+            inline: &'a rustc_hash::FxHashMap<u64, u64>,
+        }
+        let form: OwnerMapForm = rmp_serde::from_slice(&rmp_serde::to_vec(&map).unwrap()).unwrap();
+        let swapped = OverflowFirst {
+            overflow: &form.overflow,
+            inline: &form.inline,
+        };
+        let err = rmp_serde::from_slice::<OwnerMap>(&rmp_serde::to_vec_named(&swapped).unwrap())
+            .expect_err("the lists before the table they name do not load");
+        assert!(
+            err.to_string()
+                .contains("an owner map's `inline` must come first"),
+            "the error says which field comes first: {err}"
         );
     }
 }
