@@ -1,8 +1,8 @@
 //! Core benchmarks (issue 2): applying stored events (ns per block), routing a 1,024-block
 //! prompt across 64 workers (ns per decision), routing across 100,000 worker slots (a held
 //! prefix, and a cold miss that draws from the whole fleet), routing a prefix all 4,096 workers
-//! hold and a first block 512 of them hold (ns per decision with many owners), and bytes per
-//! (block, owner) index entry.
+//! hold and a first block 512 of them hold (ns per decision with many owners), the snapshot's
+//! copy of the state and its restore, and bytes per (block, owner) index entry.
 //!
 //! Run: `cargo bench --bench core`. The memory figure is printed first, from a counting
 //! allocator, as `index_bytes_per_entry`.
@@ -14,7 +14,7 @@ use kvrouted::hashing::chain_locals;
 use kvrouted::input::{
     Input, KvEventBatch, LoadSample, RouteRequest, Stamped, StoredBlock, WorkerId,
 };
-use kvrouted::router::{Output, Router, RouterConfig};
+use kvrouted::router::{Output, Router, RouterConfig, RouterState};
 
 use kvrouted_testkit::counting_alloc::{self, Counting};
 
@@ -325,10 +325,33 @@ fn copy_state(c: &mut Criterion) {
     group.finish();
 }
 
+/// Restoring a snapshot's state, as recovery does before it replays the journal after it: a
+/// router holding 2^18 blocks each stored by four workers (a prefix a fleet shares), so every
+/// block keeps its owners in a list of its own beside the owner table.
+fn load_state(c: &mut Criterion) {
+    let mut router = Router::new(config());
+    let mut seq = 0;
+    for w in 0..4 {
+        for part in 0..(1 << 18) / BATCH_BLOCKS {
+            feed(&mut router, &mut seq, stored_batch(w, 1, part));
+        }
+    }
+    let encoded = rmp_serde::to_vec(router.state()).expect("the state encodes");
+    let mut group = c.benchmark_group("snapshot");
+    group.sample_size(20);
+    group.bench_function("state_load_256k_blocks_of_4_owners", |b| {
+        b.iter_with_large_drop(|| {
+            rmp_serde::from_slice::<RouterState>(&encoded).expect("the state decodes")
+        })
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
     apply_stored_events,
     copy_state,
+    load_state,
     route_long_prompt,
     route_large_fleet,
     route_shared_prefix,
