@@ -557,14 +557,21 @@ mod tests {
         assert_eq!(map.len(), 0, "a block without owners is dropped");
     }
 
-    #[test]
-    fn snapshots_keep_the_form_written_before_the_overflow_slab() {
+    /// Blocks 1 to 3 with one, two and four owner entries (one slot twice): inline, inline and
+    /// overflowed.
+    fn three_blocks() -> OwnerMap {
         let mut map = OwnerMap::default();
         for (key, slots) in [(1u64, &[5u32][..]), (2, &[5, 6]), (3, &[1, 2, 3, 1])] {
             for &slot in slots {
                 map.add(key, slot);
             }
         }
+        map
+    }
+
+    #[test]
+    fn snapshots_keep_the_form_written_before_the_overflow_slab() {
+        let map = three_blocks();
         let wire: OwnerMapForm =
             rmp_serde::from_slice(&rmp_serde::to_vec(&map).unwrap()).expect("decodes as before");
         let expected = OwnerMapForm {
@@ -704,12 +711,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_written_with_field_names_loads_with_its_table_first() {
-        let mut map = OwnerMap::default();
-        for (key, slots) in [(1u64, &[5u32][..]), (2, &[5, 6]), (3, &[1, 2, 3, 1])] {
-            for &slot in slots {
-                map.add(key, slot);
-            }
-        }
+        let map = three_blocks();
         let back: OwnerMap = rmp_serde::from_slice(&rmp_serde::to_vec_named(&map).unwrap())
             .expect("the fields by name load");
         assert_same_owners(&back, &map, 1..=3, "the named form loads the same owners");
