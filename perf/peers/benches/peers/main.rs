@@ -16,7 +16,8 @@
 //! `4s`) and `--per-rep` (each repetition's rates, not only the medians): the two that showed
 //! why some runs apply more slowly on a VM that takes back freed memory (docs/performance.md,
 //! the forty-first part); `--isolate` (each repetition of each index in a process of its own, so
-//! no index grows into memory another freed: the forty-fourth part).
+//! no index grows into memory another freed: the forty-fourth part; the heap the stream's
+//! construction freed goes back to the kernel before the index runs: the forty-sixth part).
 //!
 //! After each fleet size's table the run states the performance round's goals it can read off
 //! that table, met or missed (`goals.rs`).
@@ -147,7 +148,8 @@ struct Options {
     per_rep: bool,
     /// Run each repetition of each index in a process of its own (this binary again, with the
     /// same trace and options), so no index grows its tables into memory another index freed:
-    /// every row starts from a new process, as a daemon does. In one process an index is faster
+    /// every row starts from a new process, as a daemon does, with the heap the stream's
+    /// construction freed handed back to the kernel first. In one process an index is faster
     /// after a row that freed tables like its own (docs/performance.md, the forty-third part).
     /// Each process builds the stream again, so a run takes longer
     #[arg(long)]
@@ -427,11 +429,27 @@ fn run_isolated(name: &str, workers: usize) -> Rep {
 /// line (what [`run_isolated`] reads).
 fn one_repetition(o: &Options, trace: &[Vec<u64>], name: &str, workers: usize) {
     let stream = generate(trace, workers, o.capacity, o.dup);
+    hand_back_freed_heap();
     let rep = run_subject(name, &stream, &o.lookups);
     println!(
         "{}",
         serde_json::to_string(&rep).expect("a repetition as JSON")
     );
+}
+
+/// Hands the heap's free memory back to the kernel (`malloc_trim`). Building the stream frees
+/// hundreds of megabytes that the heap keeps, already faulted in: an index that allocates from
+/// the heap (kv-index's arena chunks, the peers' nodes) would reuse them without a page fault,
+/// where kvrouted's large tables, on huge pages of their own, fault in fresh memory. A daemon's
+/// first tables find no such heap, so in a process of its own every index starts without it
+/// (docs/performance.md, the forty-sixth part).
+fn hand_back_freed_heap() {
+    // SAFETY: `malloc_trim` only returns free heap memory to the kernel; every live allocation
+    // stays where it is.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// The empty interval subtracted from every measurement, in ns.
