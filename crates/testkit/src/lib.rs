@@ -52,7 +52,6 @@ pub use daemon::{
 pub use nats::{Nats, NatsCluster};
 #[cfg(feature = "processes")]
 pub use poll::{eventually, eventually_within, poll_until, DEADLINE};
-#[cfg(feature = "processes")]
 pub use ports::free_port;
 #[cfg(feature = "processes")]
 pub use processes::{clk_tck, cpu_ticks, nats_server_bin, resident_mib, wait_for_port, Process};

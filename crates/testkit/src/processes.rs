@@ -1,5 +1,6 @@
-//! Finding ports and the nats-server binary for processes a benchmark or test starts on
-//! loopback, and the CPU time a process has used.
+//! Waiting for a port and finding the nats-server binary for processes a benchmark or test
+//! starts on loopback (the ports themselves come from [`crate::ports`]), and the CPU time and
+//! memory a process has used.
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
