@@ -483,7 +483,7 @@ impl KeyTable {
     /// its final size into new arrays).
     pub fn reserve(&mut self, additional: usize) {
         let needed = self.len.saturating_add(additional);
-        if needed * MAX_LOAD.1 > self.tags.len() * MAX_LOAD.0 {
+        if needed.saturating_mul(MAX_LOAD.1) > self.tags.len() * MAX_LOAD.0 {
             // The smallest table holding `needed` entries at `MAX_LOAD`: the size the doublings
             // would have reached.
             let buckets = needed
