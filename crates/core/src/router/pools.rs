@@ -1,10 +1,10 @@
 //! What a route needs besides the index, kept so that its cost follows the matched owners and
 //! the sampled candidates, not the size of the fleet:
 //!
-//! - [`RouteScratch`]: reused from route to route, each rank's depth on each tier (one dense
-//!   array per tier, zeroed again where a route wrote it when the route ends) and one
-//!   [`RankRow`] per rank: a copy of what the policy reads of its worker entry, in one cache
-//!   line.
+//! - [`RouteScratch`]: one [`RankRow`] per rank, reused from route to route: the rank's depths
+//!   on each tier (each row names the route it was written for, and a row of an earlier route
+//!   reads as zero, so ending a route resets nothing) beside a copy of what the policy reads of
+//!   its worker entry, in one cache line.
 //! - [`Pools`]: the fleet's candidate pools (candidates, cool, safe; docs/architecture.md,
 //!   "Policy") as order-statistic trees over slots, one per model, updated for each rank that
 //!   changed (the worker table notes them) and for each rank whose telemetry went stale. A
@@ -34,24 +34,21 @@ pub(super) const APPROX: usize = 1;
 pub(super) const HOST: usize = 2;
 pub(super) const DISK: usize = 3;
 
-/// Per-rank depths and rows of one route. Invariants: between routes, every depth is zero,
-/// `deepest` is zero and `touched` is empty; after [`RouteScratch::sync`] at `now`, the row of
-/// every slot of the worker table holds what [`RankRow::refresh`] makes of its entry at `now`.
+/// Per-rank rows of one route. Invariants: between routes, no row carries `route` (the next
+/// route's number; or it is 0, and the next `prepare` clears every row's depths), so every
+/// row's depths read as zero, and `touched` is empty; after [`RouteScratch::sync`] at `now`,
+/// the row of every slot of the worker table holds what [`RankRow::refresh`] makes of its
+/// entry at `now`.
 #[derive(Debug, Default)]
 pub(super) struct RouteScratch {
-    /// Each rank's depth per tier, by slot: one array per tier, 4 bytes a rank. A wide decision
-    /// extends hundreds of owners' depths for every key of its match; kept apart from the
-    /// 64-byte rows they take a sixteenth of the memory (for 500 of 4,096 ranks, about 220
-    /// cache lines where the rows took 500), and the listing reads a rank's row only once its
-    /// depth has put it on a listed level. A decision at 4,096 workers took a
-    /// fifth less at the median (docs/performance.md, forty-seventh part).
-    depths: [Vec<u32>; 4],
     rows: Vec<RankRow>,
-    /// Ranks with a non-zero depth on some tier, in the order the walks met them: the depths
-    /// a route's end zeroes again.
+    /// The route the rows are being written for. A row of another route reads as zero, so
+    /// ending a route zeroes nothing: a wide decision touches hundreds of rows, and storing
+    /// to each of them again cost more than the check on every read.
+    route: u32,
+    /// Ranks with a non-zero depth on some tier, in the order the walks met them.
     touched: Vec<Slot>,
-    /// The deepest depth per tier over all ranks: the last key a walk continued. A tier whose
-    /// deepest is zero holds no depth this route, so it is neither read nor zeroed.
+    /// The deepest depth per tier over all ranks: the last key a walk continued.
     deepest: [u32; 4],
     pub(super) pools: Pools,
     /// Slots the worker table reported changed; kept to reuse its buffer.
@@ -80,12 +77,16 @@ pub(super) struct RouteBuffers {
 /// ChaCha8's generator as `ChaCha8Rng` is made of, kept to be reseeded in place.
 pub(super) type RouteDraws = BlockRng<ChaCha8Core>;
 
-/// One rank as a route views it, in one cache line: a copy of the fields of its worker entry a
-/// view is made of. A wide decision views hundreds of ranks: read from the worker entries,
-/// each cost two cache lines (and a line of the id labels).
+/// One rank as a route reads it, in one cache line: its depths per tier, valid for the route
+/// it names, and a copy of the fields of its worker entry a view is made of. A wide decision
+/// views hundreds of ranks: read from the worker entries, each cost two more cache lines
+/// besides its depths' (and a line of the id labels), while the walk that writes a rank's
+/// depths has already brought this line in.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
 #[repr(C, align(64))]
 pub(super) struct RankRow {
+    depths: [u32; 4],
+    route: u32,
     /// [`Workers::id_order`] of the rank.
     pub(super) id_order: u32,
     pub(super) dp_rank: u32,
@@ -115,7 +116,7 @@ const CLASS_PAST_ROW: u16 = u16::MAX;
 
 impl RankRow {
     /// Copies what a view reads of `worker` (`None`: the slot is free), with its id label,
-    /// its pools class and its ranked pressure at the time of the sync.
+    /// its pools class and its ranked pressure at the time of the sync. The depths stay.
     fn refresh(
         &mut self,
         worker: Option<&Worker>,
@@ -165,37 +166,35 @@ impl RankRow {
         }
         (self.class != CLASS_PAST_ROW).then(|| classes.admits(usize::from(self.class)))
     }
+
+    /// The depths on each tier, valid for `route`.
+    fn depths(&self, route: u32) -> [u32; 4] {
+        if self.route == route {
+            self.depths
+        } else {
+            [0; 4]
+        }
+    }
 }
 
 impl RouteScratch {
-    /// Makes room for `slots` ranks (depths and rows only ever grow).
+    /// Makes room for `slots` ranks (rows only ever grow).
     fn cover(&mut self, slots: usize) {
         if self.rows.len() < slots {
             self.rows.resize(slots, RankRow::default());
-            for tier in &mut self.depths {
-                tier.resize(slots, 0);
-            }
         }
     }
 
-    /// Readies the depths for a route over `slots` ranks. (A route always finishes; one that
-    /// did not, a panic's, has its depths zeroed here.)
+    /// Readies the rows for a route over `slots` ranks.
     pub(super) fn prepare(&mut self, slots: usize) {
-        self.forget_depths();
         self.cover(slots);
-    }
-
-    /// Zeroes the depths the route wrote, on each tier it matched.
-    fn forget_depths(&mut self) {
-        for (tier, &deepest) in self.depths.iter_mut().zip(&self.deepest) {
-            if deepest > 0 {
-                for &slot in &self.touched {
-                    tier[slot as usize] = 0;
-                }
+        if self.route == 0 {
+            // The first route, or the counter wrapped: no row may claim to be this route's.
+            for row in &mut self.rows {
+                (row.depths, row.route) = ([0; 4], 0);
             }
+            self.route = 1;
         }
-        self.touched.clear();
-        self.deepest = [0; 4];
     }
 
     /// Extends each owner's consecutive match on tier `TIER` over `keys`, positions its owners
@@ -203,10 +202,9 @@ impl RouteScratch {
     /// depth only grows if it already covers every key before them. Returns whether any rank
     /// still matches, so the walk stops at the first key nobody continues.
     ///
-    /// A rank's first depth on a tier is written only at a first key: a rank first met further
-    /// on matched nothing before it and never will on this route. A rank is listed once in
-    /// `touched`, at its first depth on any tier. The device tier is walked first, so a rank
-    /// without a device depth has none on another tier yet.
+    /// A row is written for this route only when its rank matches a first key, on some tier:
+    /// a rank first met further on matched nothing before it and never will on this route, so
+    /// every row of the route is a rank with a non-zero depth, listed once in `touched`.
     ///
     /// [`OwnerIndex::walk`]: crate::index::OwnerIndex::walk
     pub(super) fn extend<const TIER: usize>(
@@ -214,26 +212,22 @@ impl RouteScratch {
         keys: Range<usize>,
         owners: impl Iterator<Item = Slot>,
     ) -> bool {
-        debug_assert!(
-            TIER != DEVICE || [APPROX, HOST, DISK].iter().all(|&t| self.deepest[t] == 0),
-            "the device tier is walked first"
-        );
-        let (depths, touched) = (&mut self.depths, &mut self.touched);
+        let route = self.route;
         let mut any = false;
         for slot in owners {
-            let at = slot as usize;
-            if depths[TIER][at] == 0 {
+            let row = &mut self.rows[slot as usize];
+            if row.route != route {
                 if keys.start == 0 {
-                    if TIER == DEVICE || depths.iter().all(|tier| tier[at] == 0) {
-                        touched.push(slot);
-                    }
-                    depths[TIER][at] = keys.end as u32;
+                    let mut depths = [0; 4];
+                    depths[TIER] = keys.end as u32;
+                    (row.depths, row.route) = (depths, route);
+                    self.touched.push(slot);
                     any = true;
                 }
                 continue;
             }
             // A slot can appear twice for one key (two engine hashes); it still counts once.
-            any |= extend_match(&mut depths[TIER][at], &keys);
+            any |= extend_match(&mut row.depths[TIER], &keys);
         }
         if any {
             self.deepest[TIER] = keys.end as u32;
@@ -251,16 +245,17 @@ impl RouteScratch {
         self.deepest[HOST] > 0 || self.deepest[DISK] > 0
     }
 
-    /// The depths of `slot`: (device or approximate, whichever is deeper; host; disk). When
-    /// only the device tier matched (every route of a fleet without lower tiers, most others),
-    /// the other tiers' arrays are not read: they are all zeros.
+    /// The depths of `slot`: (device or approximate, whichever is deeper; host; disk).
     pub(super) fn depths(&self, slot: Slot) -> (u32, u32, u32) {
-        let at = |tier: usize| self.depths[tier].get(slot as usize).copied().unwrap_or(0);
-        let device = at(DEVICE);
-        if self.deepest[APPROX] | self.deepest[HOST] | self.deepest[DISK] == 0 {
-            return (device, 0, 0);
-        }
-        (device.max(at(APPROX)), at(HOST), at(DISK))
+        self.rows
+            .get(slot as usize)
+            .map_or((0, 0, 0), |row| self.depths_of(row))
+    }
+
+    /// The depths of a row (as [`RouteScratch::depths`]).
+    pub(super) fn depths_of(&self, row: &RankRow) -> (u32, u32, u32) {
+        let d = row.depths(self.route);
+        (d[DEVICE].max(d[APPROX]), d[HOST], d[DISK])
     }
 
     /// The row of `slot`, if it holds a live rank.
@@ -278,10 +273,12 @@ impl RouteScratch {
         std::mem::take(&mut self.buffers)
     }
 
-    /// Ends a route: the depths it wrote are zeroed again, and the buffers the route took are
-    /// kept.
+    /// Ends a route: its rows go stale at once, and the buffers the route took are kept.
     pub(super) fn finish(&mut self, mut buffers: RouteBuffers) {
-        self.forget_depths();
+        // Wrapping to 0 makes the next `prepare` clear every row.
+        self.route = self.route.wrapping_add(1);
+        self.touched.clear();
+        self.deepest = [0; 4];
         buffers.excluded.clear();
         buffers.views.clear();
         buffers.owner_order.clear();
@@ -834,39 +831,32 @@ mod tests {
     }
 
     #[test]
-    fn a_finished_routes_depths_are_zeroed_on_every_tier_and_never_read_by_a_later_route() {
+    fn a_finished_routes_depths_read_as_zero_in_later_routes_also_past_the_counters_wrap() {
         let mut scratch = RouteScratch::default();
         walk(&mut scratch, &[&[1, 2], &[1]]);
-        assert!(scratch.extend::<HOST>(0..1, [3].into_iter()));
-        assert!(scratch.extend::<APPROX>(0..2, [1].into_iter()));
         assert_eq!(scratch.depths(1), (2, 0, 0), "rank 1 matched both keys");
-        assert_eq!(
-            scratch.depths(3),
-            (0, 1, 0),
-            "rank 3 matched on the host tier"
-        );
-        assert_eq!(scratch.touched(), &[1, 2, 3], "each rank listed once");
-        scratch.rows[1].refresh(Some(&worker()), 5, NO_MODEL, Some(0.25));
+        assert_eq!(scratch.touched(), &[1, 2]);
         scratch.finish(RouteBuffers::default());
-        assert!(
-            scratch.depths.iter().flatten().all(|&d| d == 0),
-            "a route's end zeroes every depth it wrote, on every tier"
-        );
-        assert!(scratch.touched().is_empty() && scratch.deepest == [0; 4]);
-        for _ in 0..2 {
-            scratch.prepare(8);
-            assert!(scratch.extend::<DEVICE>(0..1, [2].into_iter()));
-            assert!(scratch.extend::<HOST>(0..1, [1].into_iter()));
+        // As if 2^32 - 3 routes that never met rank 1 went by: the counter is about to come
+        // back to the number rank 1's row carries.
+        scratch.route = u32::MAX;
+        scratch.rows[1].refresh(Some(&worker()), 5, NO_MODEL, Some(0.25));
+        for _ in 0..3 {
+            walk(&mut scratch, &[&[2]]);
             assert_eq!(
                 scratch.depths(1),
-                (0, 1, 0),
+                (0, 0, 0),
                 "a depth of an earlier route never leaks into a later one"
             );
-            assert_eq!(scratch.depths(3), (0, 0, 0), "rank 3 is not met again");
+            assert_eq!(
+                scratch.depths(2),
+                (1, 0, 0),
+                "rank 2 starts over at the first key"
+            );
             assert_eq!(
                 scratch.touched(),
-                &[2, 1],
-                "only this route's matches are listed, each once"
+                &[2],
+                "only this route's matches are listed"
             );
             scratch.finish(RouteBuffers::default());
         }
@@ -874,14 +864,7 @@ mod tests {
         assert!(
             row.is_live()
                 && (row.id_order, row.reserved_work, row.pressure()) == (5, 7, Some(0.25)),
-            "zeroing the depths keeps the rows' copies of the worker entries"
-        );
-        walk(&mut scratch, &[&[3]]);
-        walk(&mut scratch, &[&[2]]);
-        assert_eq!(
-            (scratch.depths(3), scratch.touched()),
-            ((0, 0, 0), &[2][..]),
-            "a route that never finished is forgotten by the next one's start"
+            "clearing the depths at the wrap keeps the rows' copies of the worker entries"
         );
     }
 }

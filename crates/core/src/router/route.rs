@@ -3,7 +3,7 @@
 //! owner of a spill) inside the same transition.
 //!
 //! The normal path costs the matched owners and the sampled candidates, never the fleet: the
-//! walks write depths into reused per-rank arrays (a run of keys with the same owners at once,
+//! walks write depths into reused per-rank rows (a run of keys with the same owners at once,
 //! not key by key) and list the ranks they touched, the policy sees views of those ranks only,
 //! and power-of-two draws come from the fleet's pools ([`super::pools`]). Explain rows and the
 //! baseline policies still view every worker.
@@ -157,13 +157,17 @@ impl Router {
     ) -> Option<u32> {
         let threshold = self.config.policy.match_threshold(prompt_blocks);
         let depth = |slot: Slot| scratch.depths(slot).0;
-        // A listed rank's row is read once, here, only after its depths put it on a listed
-        // level, and handed to its view with them. (The same three fields are built by
-        // `rank_of` in `route`; one constructor for both made the listing's view writes a call
-        // of their own: +1.8% instructions per decision at 4,096 workers under callgrind.)
-        let listed = |slot: Slot, depths: (u32, u32, u32)| {
+        // Each listed rank's row is read once, here, and handed to its view with its depths.
+        // (The same three fields are built by `rank_of` in `route`; one constructor for both
+        // made the listing's view writes a call of their own: +1.8% instructions per decision
+        // at 4,096 workers under callgrind.)
+        let listed = |slot: Slot| {
             let row = scratch.row(slot)?;
-            Some(ListedRank { slot, row, depths })
+            Some(ListedRank {
+                slot,
+                row,
+                depths: scratch.depths_of(row),
+            })
         };
         // Levels at or above `listed_from` are listed. Two levels are tried one at a time (a
         // deepest match held only by draining or excluded ranks); past that, the rest at once.
@@ -181,11 +185,7 @@ impl Router {
             let touched = scratch.touched();
             views.reserve(touched.len() + 1 - views.len());
             for &slot in touched {
-                let depths = scratch.depths(slot);
-                if depths.0 != level {
-                    continue;
-                }
-                if let Some(rank) = listed(slot, depths) {
+                if let Some(rank) = listed(slot).filter(|rank| rank.depths.0 == level) {
                     push_view(rank, views);
                     // Read back from the view just written: whether the rank can be chosen.
                     if views.last().is_some_and(|v| v.candidate) {
@@ -215,11 +215,12 @@ impl Router {
             return owners_depth;
         }
         for &slot in scratch.touched() {
-            let depths @ (d, host, disk) = scratch.depths(slot);
+            let Some(rank) = listed(slot) else {
+                continue;
+            };
+            let (d, host, disk) = rank.depths;
             if d < listed_from && (host > 0 || disk > 0 || (!owners_found && d >= threshold)) {
-                if let Some(rank) = listed(slot, depths) {
-                    push_view(rank, views);
-                }
+                push_view(rank, views);
             }
         }
         owners_depth
@@ -284,10 +285,13 @@ impl Router {
         let scratch = &self.scratch;
         let model = req.model.as_deref();
         let classes = scratch.pools.classes(model);
-        let rank_of = |slot: Slot| ListedRank {
-            slot,
-            row: scratch.row(slot).expect("a live rank"),
-            depths: scratch.depths(slot),
+        let rank_of = |slot: Slot| {
+            let row = scratch.row(slot).expect("a live rank");
+            ListedRank {
+                slot,
+                row,
+                depths: scratch.depths_of(row),
+            }
         };
         let push_listed = |rank: ListedRank, views: &mut Vec<WorkerView>| {
             views.push(WorkerView::default());
