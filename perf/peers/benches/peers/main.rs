@@ -149,7 +149,7 @@ struct Options {
     /// Run each repetition of each index in a process of its own (this binary again, with the
     /// same trace and options), so no index grows its tables into memory another index freed:
     /// every row starts from a new process, as a daemon does, with the heap the stream's
-    /// construction freed handed back to the kernel first. In one process an index is faster
+    /// construction freed handed back to the kernel first (on glibc). In one process an index is faster
     /// after a row that freed tables like its own (docs/performance.md, the forty-third part).
     /// Each process builds the stream again, so a run takes longer
     #[arg(long)]
@@ -442,7 +442,8 @@ fn one_repetition(o: &Options, trace: &[Vec<u64>], name: &str, workers: usize) {
 /// the heap (kv-index's arena chunks, the peers' nodes) would reuse them without a page fault,
 /// where kvrouted's large tables, on huge pages of their own, fault in fresh memory. A daemon's
 /// first tables find no such heap, so in a process of its own every index starts without it
-/// (docs/performance.md, the forty-sixth part).
+/// (docs/performance.md, the forty-sixth part). Only glibc keeps such a heap here and has the
+/// call; on other targets this does nothing.
 fn hand_back_freed_heap() {
     // SAFETY: `malloc_trim` only returns free heap memory to the kernel; every live allocation
     // stays where it is.
