@@ -20,7 +20,9 @@
 //! construction freed goes back to the kernel before the index runs: the forty-sixth part).
 //!
 //! After each fleet size's table the run states the performance round's goals it can read off
-//! that table, met or missed (`goals.rs`).
+//! that table, met or missed (`goals.rs`). Last, after every row has run, it states what a random
+//! access to 64 MiB of memory costs on this machine (`machine.rs`): a long match pays about that
+//! per block, and on a virtual machine it moves with the host.
 //!
 //! # The stream (precomputed once per worker count, then replayed through every index)
 //!
@@ -71,6 +73,7 @@
 //! three index rows; the second shows what the daemon's single writer pays per input.
 
 mod goals;
+mod machine;
 mod subjects;
 mod workload;
 
@@ -587,13 +590,18 @@ fn main() {
             }
         }
     }
+    let memory = machine::probe_memory();
     println!(
-        "\nfinished in {:.1} s; load average {}",
+        "\nmemory, probed after the rows ({} of its 64 MiB on huge pages): a load that waits on the one before it {:.0} ns, a random line among independent ones asked for 8 ahead {:.1} ns",
+        memory.huge_page_mib, memory.dependent_ns, memory.independent_ns
+    );
+    println!(
+        "finished in {:.1} s; load average {}",
         started.elapsed().as_secs_f64(),
         loadavg()
     );
     println!(
-        "{{\"bench\":\"peers\",\"trace\":\"{}\",\"requests\":{},\"dup\":{},\"capacity_blocks\":{},\"reps\":{},\"isolate\":{},\"only_depths\":{},\"only_prompt_blocks\":{},\"results\":[{}]}}",
+        "{{\"bench\":\"peers\",\"trace\":\"{}\",\"requests\":{},\"dup\":{},\"capacity_blocks\":{},\"reps\":{},\"isolate\":{},\"only_depths\":{},\"only_prompt_blocks\":{},\"memory_dependent_load_ns\":{:.1},\"memory_random_line_ns\":{:.1},\"results\":[{}]}}",
         o.trace.file_name().and_then(|n| n.to_str()).unwrap_or("?"),
         trace.len(),
         o.dup,
@@ -602,6 +610,8 @@ fn main() {
         o.isolate,
         json_blocks(filter.depths.as_ref()),
         json_blocks(filter.prompt_blocks.as_ref()),
+        memory.dependent_ns,
+        memory.independent_ns,
         json_rows.join(",")
     );
 }
