@@ -7,19 +7,23 @@
 use std::alloc::{self, Layout};
 use std::time::Instant;
 
-/// The array the probe reads: as large as kvrouted's owner table at 256 workers, so most of it
-/// lies outside the last-level cache.
+/// The array the probe reads: about kvrouted's whole index at 256 workers (71 MB), twice the
+/// last-level cache of the machines measured, so most reads miss it.
 const PROBE_BYTES: usize = 64 << 20;
 /// Huge-page size and alignment, as kvrouted's large tables are allocated.
 const HUGE_PAGE: usize = 2 << 20;
 /// Lines a random read asks for ahead of the one it reads, as the index's walk does with keys.
 const AHEAD: usize = 8;
 
-/// The two figures, in ns: a load that waits on the one before it (the latency), and a random
-/// line among independent ones asked for [`AHEAD`] lines ahead (what overlapping buys).
+/// What [`probe_memory`] measured.
 pub(crate) struct MemoryProbe {
+    /// A load that waits on the one before it, in ns: the memory's latency.
     pub(crate) dependent_ns: f64,
+    /// A random line among independent ones asked for [`AHEAD`] lines ahead, in ns: what
+    /// overlapping the misses buys.
     pub(crate) independent_ns: f64,
+    /// How much of the array the kernel backed with huge pages, in MiB (a walk over small pages
+    /// also waits on the TLB).
     pub(crate) huge_page_mib: u64,
 }
 
