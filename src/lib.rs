@@ -30,7 +30,7 @@
 //! - [`nats_options`]: NATS url, credentials and TLS, shared by every command that connects.
 
 pub use kvrouted_core::{
-    hashing, index, input, policy, replicas, reservations, router, wire, workers,
+    hashing, index, input, policy, prefetch, replicas, reservations, router, wire, workers,
 };
 
 pub mod bridge;

@@ -19,7 +19,8 @@
 //!   unique across them.
 //! - [`hashing`]: block keys from token ids.
 //! - [`wire`]: pure decoders and encoders of the NATS payloads.
-//! - `prefetch`: the one cache-line hint the index and the route path share.
+//! - [`prefetch`]: the one cache-line hint the index and the route path share (and the peer
+//!   benchmark's memory probe).
 
 /// `Clone` for a struct of the state, field by field, whose `clone_from` copies each field into
 /// the field's own memory (`Vec`, the maps and the index's tables reuse what they hold). The
@@ -46,7 +47,7 @@ pub mod hashing;
 pub mod index;
 pub mod input;
 pub mod policy;
-mod prefetch;
+pub mod prefetch;
 pub mod replicas;
 pub mod reservations;
 pub mod router;

@@ -5,7 +5,7 @@
 /// see, never faults (any address will do, even one past an allocation), and does nothing on
 /// other architectures.
 #[inline]
-pub(crate) fn prefetch<T>(addr: *const T) {
+pub fn prefetch<T>(addr: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `_mm_prefetch` needs SSE, which every x86-64 CPU has; a prefetch never faults
     // and changes no memory.

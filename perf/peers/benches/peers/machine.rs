@@ -7,6 +7,10 @@
 use std::alloc::{self, Layout};
 use std::time::Instant;
 
+use kvrouted::prefetch::prefetch;
+
+use crate::workload::mix;
+
 /// The array the probe reads: about kvrouted's whole index at 256 workers (71 MB), twice the
 /// last-level cache of the machines measured, so most reads miss it.
 const PROBE_BYTES: usize = 64 << 20;
@@ -45,12 +49,11 @@ pub(crate) fn probe_memory() -> MemoryProbe {
     }
     // SAFETY: `base` holds `lines` 64-byte lines, aligned to 2 MiB; written before they are read.
     let line = |i: usize| unsafe { base.add(i * 64).cast::<u64>() };
-    let mut rng = 0x9E37_79B9_7F4A_7C15_u64;
+    // Random numbers as the stream's hashes are made: the workload's mix of a counter.
+    let mut counter = 0u64;
     let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
+        counter += 1;
+        mix(counter)
     };
     // One cycle through every line (Sattolo's shuffle), written as each line's next line.
     let mut order: Vec<usize> = (0..lines).collect();
@@ -91,19 +94,6 @@ pub(crate) fn probe_memory() -> MemoryProbe {
         independent_ns,
         huge_page_mib,
     }
-}
-
-/// Starts loading the line at `addr`, as the index's walk asks for a key's lines (a hint: it
-/// never faults; nothing on other architectures).
-fn prefetch(addr: *const u64) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: SSE, which every x86-64 CPU has; a prefetch changes no memory and never faults.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(addr.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = addr;
 }
 
 /// The process's anonymous memory on huge pages, in KiB (0 where the kernel does not say).

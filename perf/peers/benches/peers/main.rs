@@ -152,9 +152,9 @@ struct Options {
     /// Run each repetition of each index in a process of its own (this binary again, with the
     /// same trace and options), so no index grows its tables into memory another index freed:
     /// every row starts from a new process, as a daemon does, with the heap the stream's
-    /// construction freed handed back to the kernel first (on glibc). In one process an index is faster
-    /// after a row that freed tables like its own (docs/performance.md, the forty-third part).
-    /// Each process builds the stream again, so a run takes longer
+    /// construction freed handed back to the kernel first (on glibc). In one process an index is
+    /// faster after a row that freed tables like its own (docs/performance.md, the forty-third
+    /// part). Each process builds the stream again, so a run takes longer
     #[arg(long)]
     isolate: bool,
     /// What `--isolate` runs, with the run's own options: one repetition of INDEX at WORKERS
