@@ -5,6 +5,7 @@
 //! part).
 
 use std::alloc::{self, Layout};
+use std::fmt;
 use std::time::Instant;
 
 use kvrouted::prefetch::prefetch;
@@ -29,6 +30,22 @@ pub(crate) struct MemoryProbe {
     /// How much of the array the kernel backed with huge pages, in MiB (a walk over small pages
     /// also waits on the TLB).
     pub(crate) huge_page_mib: u64,
+}
+
+/// The line the run prints, with the probe's own size and look-ahead.
+impl fmt::Display for MemoryProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "memory, probed after the rows ({} of its {} MiB on huge pages): a load that waits on \
+             the one before it {:.0} ns, a random line among independent ones asked for {AHEAD} \
+             ahead {:.1} ns",
+            self.huge_page_mib,
+            PROBE_BYTES >> 20,
+            self.dependent_ns,
+            self.independent_ns
+        )
+    }
 }
 
 /// Reads [`PROBE_BYTES`] of lines on huge pages where the kernel gives them: first along one

@@ -591,10 +591,7 @@ fn main() {
         }
     }
     let memory = machine::probe_memory();
-    println!(
-        "\nmemory, probed after the rows ({} of its 64 MiB on huge pages): a load that waits on the one before it {:.0} ns, a random line among independent ones asked for 8 ahead {:.1} ns",
-        memory.huge_page_mib, memory.dependent_ns, memory.independent_ns
-    );
+    println!("\n{memory}");
     println!(
         "finished in {:.1} s; load average {}",
         started.elapsed().as_secs_f64(),
