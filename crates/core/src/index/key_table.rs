@@ -35,7 +35,7 @@ use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::table_memory::TableArray;
+use super::table_memory::{with_pages_faulted_from_the_end, TableArray};
 use crate::prefetch::prefetch;
 
 /// The tag of a free bucket. A used bucket's tag has its top bit set.
@@ -516,6 +516,13 @@ impl KeyTable {
         let old_tags = std::mem::replace(&mut self.tags, TableArray::zeroed(buckets));
         let old = std::mem::replace(&mut self.buckets, TableArray::unwritten(buckets));
         self.shift = 64 - buckets.trailing_zeros();
+        let pages = self.buckets.pages_worth_a_helper();
+        with_pages_faulted_from_the_end(pages, || self.rehash(&old_tags, &old));
+    }
+
+    /// Moves every used entry of `old_tags` and `old` into this table's new arrays, in bucket
+    /// order, so the new buckets are written from the start of their array to its end.
+    fn rehash(&mut self, old_tags: &[u8], old: &[Bucket]) {
         for (&tag, entry) in old_tags.iter().zip(old.iter()) {
             if tag != FREE {
                 let (key, value) = used_entry(entry);

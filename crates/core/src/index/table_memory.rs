@@ -13,14 +13,27 @@
 //! declines (transparent huge pages off, a kernel before 6.1 for the collapse) or off Linux, the
 //! array is the same memory on small pages.
 //! It is always allocated through the global allocator, so memory figures count it.
+//!
+//! A grown table's rehash writes its new bucket array from start to end, and each page it
+//! reaches for the first time faults in on the writer's thread. Where the host is slow to hand
+//! out fresh memory, those faults were two fifths of a stored block's time in a new process
+//! (docs/performance.md, fiftieth part), so a large array's pages are faulted in from its end by
+//! a helper thread while the rehash runs ([`with_pages_faulted_from_the_end`]).
 
 use std::alloc::{self, Layout};
 use std::mem::MaybeUninit;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Arrays at least this large are aligned to it and offered huge pages.
 const HUGE_PAGE: usize = 2 << 20;
+
+/// Arrays at least this large are faulted in by a helper thread as they are first written
+/// ([`with_pages_faulted_from_the_end`]): four huge pages, so a helper is started only where it
+/// has whole huge pages to fault while the writer works (a few times per table as it doubles
+/// past it), not for the many small tables.
+const HELPED_BYTES: usize = 4 * HUGE_PAGE;
 
 /// Element types whose all-zero bytes are a valid value and that need no drop.
 ///
@@ -106,7 +119,81 @@ impl<T: Zeroable> TableArray<T> {
         };
         Some(Layout::from_size_align(bytes, align).expect("table layout"))
     }
+
+    /// This array's memory, as plain numbers a helper thread may fault in, when it is at least
+    /// [`HELPED_BYTES`] long.
+    pub(super) fn pages_worth_a_helper(&self) -> Option<Pages> {
+        let bytes = self.len * size_of::<T>();
+        (bytes >= HELPED_BYTES).then_some(Pages {
+            start: self.ptr.as_ptr() as usize,
+            bytes,
+        })
+    }
 }
+
+/// A range of one array's memory: its address and length, not a reference to it, since the
+/// writer keeps writing the array while a helper faults its pages in.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pages {
+    start: usize,
+    bytes: usize,
+}
+
+/// Runs `write`, a pass that writes an array's memory from its start towards its end (a
+/// rehash, which moves entries in bucket order), while a helper thread faults `pages` in from
+/// the end, a huge page at a time, until the two meet or `write` returns. The writer then finds
+/// the back half of the array already backed by the kernel instead of faulting every page in
+/// itself: in a new process, where those first touches were the slow part of a doubling, the
+/// two cores share them.
+///
+/// Faulting a page in changes nothing in it: the kernel backs a page that was never written
+/// with zeros, and leaves a page the writer already reached as it is. So the helper needs no
+/// other agreement with the writer than a flag to stop at, and a helper that cannot be started
+/// leaves the writer to fault every page, as it did before.
+pub(super) fn with_pages_faulted_from_the_end<R>(
+    pages: Option<Pages>,
+    write: impl FnOnce() -> R,
+) -> R {
+    let Some(pages) = pages.filter(|_| FAULTS_IN_ADVANCE) else {
+        return write();
+    };
+    let written = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let helper = std::thread::Builder::new()
+            .name("kvrouted-table-pages".into())
+            .spawn_scoped(scope, || {
+                let mut end = pages.start + pages.bytes;
+                while end > pages.start && !written.load(Ordering::Relaxed) {
+                    let from = end.saturating_sub(HUGE_PAGE).max(pages.start);
+                    fault_in(from, end - from);
+                    end = from;
+                }
+            });
+        let result = write();
+        written.store(true, Ordering::Relaxed);
+        // Joined here (the scope would join it too): the helper stops at its next huge page.
+        drop(helper.map(|helper| helper.join()));
+        result
+    })
+}
+
+/// Whether [`fault_in`] does anything here.
+const FAULTS_IN_ADVANCE: bool = cfg!(all(target_os = "linux", target_env = "gnu"));
+
+/// Faults in the pages of `bytes` from `start` as a write to each would
+/// (`MADV_POPULATE_WRITE`, Linux 5.14), without writing them. Errors are ignored: a kernel
+/// without it leaves the pages to fault when they are written.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn fault_in(start: usize, bytes: usize) {
+    // SAFETY: the advice changes how the kernel backs a range, never its contents; a range
+    // freed meanwhile only makes the call fail.
+    unsafe {
+        libc::madvise(start as *mut libc::c_void, bytes, libc::MADV_POPULATE_WRITE);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn fault_in(_start: usize, _bytes: usize) {}
 
 impl<T: Copy> TableArray<MaybeUninit<T>> {
     /// `len` elements not yet written: no zeroing pass. For arrays whose elements are only
@@ -333,6 +420,56 @@ mod tests {
             huge_kib >= 4 * HUGE_PAGE as u64 / 1024,
             "with transparent huge pages `{mode}`, an 8 MiB table array left unwritten, then \
              written in places, sits on huge pages (its mapping has {huge_kib} KiB of them)"
+        );
+    }
+    /// Whether the page holding `address` is resident (`mincore`).
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn resident(address: usize) -> bool {
+        let page = address & !4095;
+        let mut flag = 0u8;
+        // SAFETY: one page of a live mapping, one byte of result.
+        let rc = unsafe { libc::mincore(page as *mut libc::c_void, 4096, &mut flag) };
+        assert_eq!(rc, 0, "mincore of a live array");
+        flag & 1 == 1
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn a_helper_faults_in_the_pages_the_writer_has_not_reached_and_changes_none() {
+        let mut array = TableArray::<MaybeUninit<(u64, u64)>>::unwritten(HELPED_BYTES / 16);
+        let (start, bytes) = (array.as_ptr() as usize, HELPED_BYTES);
+        // Whatever the allocator handed out, its pages are given back, so none is resident.
+        // SAFETY: the array's own range; its elements are `MaybeUninit`, so zeroed or dropped
+        // contents are allowed.
+        unsafe { libc::madvise(start as *mut libc::c_void, bytes, libc::MADV_DONTNEED) };
+        let last = start + bytes - 1;
+        assert!(!resident(last), "a page given back is not resident");
+        array[0].write((7, 9));
+        let pages = array.pages_worth_a_helper();
+        assert!(
+            pages.is_some(),
+            "an array of {HELPED_BYTES} bytes is worth a helper"
+        );
+        // The writer stays on its first page until the helper has reached the last one.
+        let reached = with_pages_faulted_from_the_end(pages, || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while !resident(last) && std::time::Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+            resident(last)
+        });
+        assert!(
+            reached,
+            "while the writer works on the array's start, the helper faults its end in"
+        );
+        // SAFETY: written above.
+        let first = unsafe { array[0].assume_init() };
+        assert_eq!(first, (7, 9), "faulting pages in leaves what was written");
+        assert!(
+            TableArray::<u8>::zeroed(HELPED_BYTES - 1)
+                .pages_worth_a_helper()
+                .is_none(),
+            "a smaller array is left to its writer"
         );
     }
 }

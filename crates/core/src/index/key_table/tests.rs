@@ -270,6 +270,28 @@ fn size_follows_live_entries_under_churn() {
 }
 
 #[test]
+fn a_table_grown_while_a_helper_faults_its_pages_keeps_every_entry() {
+    let mut table = KeyTable::default();
+    // Past 2^18 buckets the doublings write arrays of 8 MiB and more, which a helper thread
+    // faults in from their end while the rehash writes them from their start.
+    let keys = 0..400_000u64;
+    for k in keys.clone() {
+        table.insert(k.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1, k);
+    }
+    assert!(
+        table.buckets.pages_worth_a_helper().is_some(),
+        "the table grew past the size a helper faults in: {} buckets",
+        table.tags.len()
+    );
+    assert_eq!(table.len(), 400_000);
+    assert!(
+        keys.clone()
+            .all(|k| table.get(k.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1) == Some(k)),
+        "every entry moved through the helped doublings is found with its value"
+    );
+}
+
+#[test]
 fn serializes_as_the_hash_map_it_replaced() {
     let mut table = KeyTable::default();
     let mut map = rustc_hash::FxHashMap::default();
