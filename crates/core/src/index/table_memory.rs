@@ -160,7 +160,7 @@ pub(super) fn with_pages_faulted_from_the_end<R>(
     let written = AtomicBool::new(false);
     std::thread::scope(|scope| {
         let helper = std::thread::Builder::new()
-            .name("kvrouted-table-pages".into())
+            .name("kvrouted-pages".into())
             .spawn_scoped(scope, || {
                 let mut end = pages.start + pages.bytes;
                 while end > pages.start && !written.load(Ordering::Relaxed) {
