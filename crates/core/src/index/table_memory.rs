@@ -139,12 +139,13 @@ pub(super) struct Pages {
     bytes: usize,
 }
 
-/// Runs `write`, a pass that writes an array's memory from its start towards its end (a
-/// rehash, which moves entries in bucket order), while a helper thread faults `pages` in from
-/// the end, a huge page at a time, until the two meet or `write` returns. The writer then finds
-/// the back half of the array already backed by the kernel instead of faulting every page in
-/// itself: in a new process, where those first touches were the slow part of a doubling, the
-/// two cores share them.
+/// Runs `write`, a pass that writes an array's memory from its start towards its end (a rehash,
+/// which moves entries in bucket order), while a helper thread faults `pages` in from the end, a
+/// huge page at a time, until `write` returns or the helper reaches the start (past the pages the
+/// writer reached first, each costs it only a look at the page table). The writer then finds the
+/// back half of the array already backed by the kernel instead of faulting every page in itself: in
+/// a new process, where those first touches were the slow part of a doubling, the two cores share
+/// them.
 ///
 /// Faulting a page in changes nothing in it: the kernel backs a page that was never written
 /// with zeros, and leaves a page the writer already reached as it is. So the helper needs no
