@@ -131,71 +131,6 @@ impl<T: Zeroable> TableArray<T> {
     }
 }
 
-/// A range of one array's memory: its address and length, not a reference to it, since the
-/// writer keeps writing the array while a helper faults its pages in.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Pages {
-    start: usize,
-    bytes: usize,
-}
-
-/// Runs `write`, a pass that writes an array's memory from its start towards its end (a rehash,
-/// which moves entries in bucket order), while a helper thread faults `pages` in from the end, a
-/// huge page at a time, until `write` returns or the helper reaches the start (past the pages the
-/// writer reached first, each costs it only a look at the page table). The writer then finds the
-/// back half of the array already backed by the kernel instead of faulting every page in itself: in
-/// a new process, where those first touches were the slow part of a doubling, the two cores share
-/// them.
-///
-/// Faulting a page in changes nothing in it: the kernel backs a page that was never written
-/// with zeros, and leaves a page the writer already reached as it is. So the helper needs no
-/// other agreement with the writer than a flag to stop at, and a helper that cannot be started
-/// leaves the writer to fault every page, as it did before.
-pub(super) fn with_pages_faulted_from_the_end<R>(
-    pages: Option<Pages>,
-    write: impl FnOnce() -> R,
-) -> R {
-    let Some(pages) = pages.filter(|_| FAULTS_IN_ADVANCE) else {
-        return write();
-    };
-    let written = AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        let helper = std::thread::Builder::new()
-            .name("kvrouted-pages".into())
-            .spawn_scoped(scope, || {
-                let mut end = pages.start + pages.bytes;
-                while end > pages.start && !written.load(Ordering::Relaxed) {
-                    let from = end.saturating_sub(HUGE_PAGE).max(pages.start);
-                    fault_in(from, end - from);
-                    end = from;
-                }
-            });
-        let result = write();
-        written.store(true, Ordering::Relaxed);
-        // Joined here (the scope would join it too): the helper stops at its next huge page.
-        drop(helper.map(|helper| helper.join()));
-        result
-    })
-}
-
-/// Whether [`fault_in`] does anything here.
-const FAULTS_IN_ADVANCE: bool = cfg!(all(target_os = "linux", target_env = "gnu"));
-
-/// Faults in the pages of `bytes` from `start` as a write to each would
-/// (`MADV_POPULATE_WRITE`, Linux 5.14), without writing them. Errors are ignored: a kernel
-/// without it leaves the pages to fault when they are written.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn fault_in(start: usize, bytes: usize) {
-    // SAFETY: the advice changes how the kernel backs a range, never its contents; a range
-    // freed meanwhile only makes the call fail.
-    unsafe {
-        libc::madvise(start as *mut libc::c_void, bytes, libc::MADV_POPULATE_WRITE);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn fault_in(_start: usize, _bytes: usize) {}
-
 impl<T: Copy> TableArray<MaybeUninit<T>> {
     /// `len` elements not yet written: no zeroing pass. For arrays whose elements are only
     /// read where something else (a bucket's tag) says they were written. Zeroing a grown
@@ -221,7 +156,13 @@ enum Advice {
     HugePages,
     /// Replace the range's small pages with huge pages now (`MADV_COLLAPSE`, Linux 6.1).
     Collapse,
+    /// Fault the range's pages in as a write to each would, without writing them
+    /// (`MADV_POPULATE_WRITE`, Linux 5.14).
+    FaultIn,
 }
+
+/// Whether [`advise`] tells the kernel anything on this target.
+const ADVICE_TAKES_EFFECT: bool = cfg!(all(target_os = "linux", target_env = "gnu"));
 
 /// Gives the kernel `advice` about one live allocation of ours. Errors are ignored: a kernel
 /// without the feature, or one that declines, leaves the memory as it was. Only on glibc
@@ -231,9 +172,10 @@ fn advise(start: *mut u8, bytes: usize, advice: Advice) {
     let advice = match advice {
         Advice::HugePages => libc::MADV_HUGEPAGE,
         Advice::Collapse => libc::MADV_COLLAPSE,
+        Advice::FaultIn => libc::MADV_POPULATE_WRITE,
     };
-    // SAFETY: the range is one live allocation, page aligned (huge-page aligned, in fact);
-    // these two advices change how the kernel backs it, never its contents.
+    // SAFETY: the range lies in one live allocation, page aligned (huge-page aligned, in
+    // fact); these advices change how the kernel backs it, never its contents.
     unsafe {
         libc::madvise(start.cast(), bytes, advice);
     }
@@ -241,6 +183,53 @@ fn advise(start: *mut u8, bytes: usize, advice: Advice) {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn advise(_start: *mut u8, _bytes: usize, _advice: Advice) {}
+
+/// A range of one array's memory: its address and length, not a reference to it, since the
+/// writer keeps writing the array while a helper faults its pages in.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pages {
+    start: usize,
+    bytes: usize,
+}
+
+/// Runs `write`, a pass that writes an array's memory from its start towards its end (a rehash,
+/// which moves entries in bucket order), while a helper thread faults `pages` in from the end, a
+/// huge page at a time, until `write` returns or the helper reaches the start (past the pages the
+/// writer reached first, each costs it only a look at the page table). The writer then finds the
+/// back half of the array already backed by the kernel instead of faulting every page in itself: in
+/// a new process, where those first touches were the slow part of a doubling, the two cores share
+/// them.
+///
+/// Faulting a page in changes nothing in it: the kernel backs a page that was never written
+/// with zeros, and leaves a page the writer already reached as it is. So the helper needs no
+/// other agreement with the writer than a flag to stop at, and a helper that cannot be started
+/// leaves the writer to fault every page, as it did before.
+pub(super) fn with_pages_faulted_from_the_end<R>(
+    pages: Option<Pages>,
+    write: impl FnOnce() -> R,
+) -> R {
+    let Some(pages) = pages.filter(|_| ADVICE_TAKES_EFFECT) else {
+        return write();
+    };
+    let written = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        // A helper that cannot be started is no error: the writer faults every page itself.
+        let _ = std::thread::Builder::new()
+            .name("kvrouted-pages".into())
+            .spawn_scoped(scope, || {
+                let mut end = pages.start + pages.bytes;
+                while end > pages.start && !written.load(Ordering::Relaxed) {
+                    let from = end.saturating_sub(HUGE_PAGE).max(pages.start);
+                    advise(from as *mut u8, end - from, Advice::FaultIn);
+                    end = from;
+                }
+            });
+        let result = write();
+        // The scope joins the helper as it ends: it stops at its next huge page.
+        written.store(true, Ordering::Relaxed);
+        result
+    })
+}
 
 impl<T: Zeroable> Drop for TableArray<T> {
     fn drop(&mut self) {
@@ -426,10 +415,12 @@ mod tests {
     /// Whether the page holding `address` is resident (`mincore`).
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn resident(address: usize) -> bool {
-        let page = address & !4095;
+        // SAFETY: sysconf reads a constant of the system.
+        let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let page = address & !(page_size - 1);
         let mut flag = 0u8;
         // SAFETY: one page of a live mapping, one byte of result.
-        let rc = unsafe { libc::mincore(page as *mut libc::c_void, 4096, &mut flag) };
+        let rc = unsafe { libc::mincore(page as *mut libc::c_void, page_size, &mut flag) };
         assert_eq!(rc, 0, "mincore of a live array");
         flag & 1 == 1
     }
