@@ -103,8 +103,12 @@ impl<T: Zeroable> TableArray<T> {
         }
     }
 
-    /// The allocation for `len` elements (`None` for no bytes): huge-page aligned when at least
-    /// a huge page long.
+    /// The allocation for `len` elements (`None` for no bytes): when at least a huge page long,
+    /// huge-page aligned and a whole number of huge pages. The advice then covers whole huge
+    /// pages: an advised range that ended inside one left that huge page's range split between
+    /// two of the kernel's mappings, and an array the allocator later placed across it (glibc
+    /// serves arrays below its mmap threshold, which rises to the largest block freed, from
+    /// memory it reuses) could not be collapsed (`EINVAL`), so part of it stayed on small pages.
     fn layout(len: usize) -> Option<Layout> {
         let bytes = len
             .checked_mul(size_of::<T>())
@@ -112,10 +116,10 @@ impl<T: Zeroable> TableArray<T> {
         if bytes == 0 {
             return None;
         }
-        let align = if bytes >= HUGE_PAGE {
-            HUGE_PAGE
+        let (bytes, align) = if bytes >= HUGE_PAGE {
+            (bytes.next_multiple_of(HUGE_PAGE), HUGE_PAGE)
         } else {
-            align_of::<T>()
+            (bytes, align_of::<T>())
         };
         Some(Layout::from_size_align(bytes, align).expect("table layout"))
     }
