@@ -512,12 +512,60 @@ impl KeyTable {
         debug_assert!(buckets.is_power_of_two() && self.len * MAX_LOAD.1 <= buckets * MAX_LOAD.0);
         #[cfg(test)]
         RESIZES.with(|n| n.set(n.get() + 1));
+        if buckets == 2 * self.tags.len() && self.buckets.is_mapping() {
+            self.double_in_place();
+            return;
+        }
         // FREE is zero: a zeroed tag array is all free.
         let old_tags = std::mem::replace(&mut self.tags, TableArray::zeroed(buckets));
         let old = std::mem::replace(&mut self.buckets, TableArray::unwritten(buckets));
         self.shift = 64 - buckets.trailing_zeros();
         let pages = self.buckets.pages_worth_a_helper();
         with_pages_faulted_from_the_end(pages, || self.rehash(&old_tags, &old));
+    }
+
+    /// Doubles the table where its buckets lie: the bucket array is lengthened
+    /// ([`TableArray::lengthen`]: in place, for a mapping of its own), the tags are new, and
+    /// every entry moves to its place in the doubled table, from the last old bucket down.
+    /// A copying rehash writes a new array of twice the size; this touches only the new half
+    /// for the first time (and the new tags, a sixteenth of the buckets' bytes), and first
+    /// touches are what a doubling costs where the host is slow to hand out fresh memory
+    /// (docs/performance.md, fifty-first part).
+    ///
+    /// An old entry not yet moved is marked by its old tag. Each marked entry probes from its
+    /// new home for the first bucket not yet placed: free, the entry moves there; marked, the
+    /// two swap and the entry that came back is placed next; its own bucket, it stays. A placed
+    /// entry never moves again and every bucket between its home and it was placed before it,
+    /// so every key stays reachable from its home, as in a table rebuilt from scratch. Going
+    /// down, an entry's new home (about twice its old bucket) mostly lies in the part of the
+    /// array already passed or new, so swaps are rare and the reads and writes both run
+    /// downwards in order.
+    fn double_in_place(&mut self) {
+        let old_len = self.tags.len();
+        self.buckets.lengthen(2 * old_len);
+        let mut moving = std::mem::replace(&mut self.tags, TableArray::zeroed(2 * old_len));
+        self.shift -= 1;
+        let mask = self.mask();
+        for i in (0..old_len).rev() {
+            while moving[i] != FREE {
+                let (key, value) = used_entry(&self.buckets[i]);
+                let mut j = self.home(key);
+                while self.tags[j] != FREE {
+                    j = (j + 1) & mask;
+                }
+                self.tags[j] = moving[i];
+                if j == i {
+                    moving[i] = FREE;
+                } else if j >= old_len || moving[j] == FREE {
+                    self.buckets[j].write((key, value));
+                    moving[i] = FREE;
+                } else {
+                    self.buckets.swap(i, j);
+                    moving[i] = moving[j];
+                    moving[j] = FREE;
+                }
+            }
+        }
     }
 
     /// Moves every used entry of `old_tags` and `old` into this table's new arrays, in bucket

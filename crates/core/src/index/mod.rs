@@ -22,6 +22,7 @@ mod table_memory;
 pub use approx::ApproxIndex;
 pub use owner_map::extend_match;
 pub use owners::{IndexStats, OwnerIndex};
+pub use table_memory::mapped_table_bytes;
 
 use std::hash::{Hash, Hasher};
 

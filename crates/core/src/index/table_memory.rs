@@ -6,13 +6,19 @@
 //! 4 KiB pages nearly every such probe also misses the TLB, and the page walk is a cache miss of
 //! its own, which a prefetch hides badly (a prefetch that misses the TLB stalls the core on some
 //! CPUs). An array of at least [`HUGE_PAGE`] bytes is therefore allocated on a huge-page
-//! boundary, marked `MADV_HUGEPAGE` before it is first written (fresh memory then faults in as
-//! 2 MiB pages) and, once zeroed (at once, when left unwritten), `MADV_COLLAPSE`d (memory the
-//! allocator hands back from earlier use already has small pages; the collapse replaces them at
-//! once instead of waiting for the kernel's background scan). Both are hints: where the kernel
-//! declines (transparent huge pages off, a kernel before 6.1 for the collapse) or off Linux, the
-//! array is the same memory on small pages.
-//! It is always allocated through the global allocator, so memory figures count it.
+//! boundary, a whole number of huge pages long, and marked `MADV_HUGEPAGE` before it is first
+//! written, so its memory faults in as 2 MiB pages. That is a hint: where the kernel declines
+//! (transparent huge pages off) or off Linux, the array is the same memory on small pages.
+//!
+//! On Linux such an array is a mapping of its own rather than the allocator's (it is always
+//! fresh memory, so it always faults in as huge pages), and a table's doubling lengthens its
+//! bucket array where it lies ([`TableArray::lengthen`]): the kernel moves the old pages into
+//! the longer mapping and only the new half is memory the table has not touched. A copying
+//! doubling writes a whole new array of twice the size, so a table grown by doublings touched
+//! twice its final size of fresh memory, and where the host is slow to hand out fresh memory
+//! that was most of a stored block's time in a new process (docs/performance.md, fiftieth and
+//! fifty-first parts). The mappings' bytes are counted in [`mapped_table_bytes`], which the
+//! memory figures add to the allocator's.
 //!
 //! A grown table's rehash writes its new bucket array from start to end, and each page it
 //! reaches for the first time faults in on the writer's thread. Where the host is slow to hand
@@ -24,10 +30,28 @@ use std::alloc::{self, Layout};
 use std::mem::MaybeUninit;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Arrays at least this large are aligned to it and offered huge pages.
 const HUGE_PAGE: usize = 2 << 20;
+
+/// Arrays at least this large are mappings of their own, which a doubling lengthens where they
+/// lie: those on huge pages, on Linux (elsewhere none, and a table always doubles by copying).
+const MAPPED_BYTES: usize = if cfg!(target_os = "linux") {
+    HUGE_PAGE
+} else {
+    usize::MAX
+};
+
+/// Bytes of every table array that is a mapping of its own, live now.
+static MAPPED: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes of the index's table arrays that are mappings of their own rather than the global
+/// allocator's (those of a huge page or more, on Linux): what a memory figure that counts the
+/// allocator's bytes adds to count every table.
+pub fn mapped_table_bytes() -> usize {
+    MAPPED.load(Ordering::Relaxed)
+}
 
 /// Arrays at least this large are faulted in by a helper thread as they are first written
 /// ([`with_pages_faulted_from_the_end`]): four huge pages, so a helper is started only where it
@@ -82,12 +106,12 @@ impl<T: Zeroable> TableArray<T> {
             return Self::empty();
         };
         advise_if_huge(raw, layout, Advice::HugePages);
-        if zero {
+        // A new mapping is zeroed already, by the kernel, as each page is first touched.
+        if zero && !is_mapping(layout) {
             // SAFETY: `raw` is valid for `layout.size()` bytes; zero is a valid `T`
             // (`Zeroable`).
             unsafe { raw.as_ptr().cast::<u8>().write_bytes(0, layout.size()) };
         }
-        advise_if_huge(raw, layout, Advice::Collapse);
         TableArray { ptr: raw, len }
     }
 
@@ -95,8 +119,12 @@ impl<T: Zeroable> TableArray<T> {
     /// for no bytes).
     fn allocate(len: usize) -> Option<(NonNull<T>, Layout)> {
         let layout = Self::layout(len)?;
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc::alloc(layout) };
+        let raw = if is_mapping(layout) {
+            map(layout.size())
+        } else {
+            // SAFETY: the layout has a non-zero size.
+            unsafe { alloc::alloc(layout) }
+        };
         match NonNull::new(raw.cast::<T>()) {
             Some(ptr) => Some((ptr, layout)),
             None => alloc::handle_alloc_error(layout),
@@ -104,11 +132,9 @@ impl<T: Zeroable> TableArray<T> {
     }
 
     /// The allocation for `len` elements (`None` for no bytes): when at least a huge page long,
-    /// huge-page aligned and a whole number of huge pages. The advice then covers whole huge
-    /// pages: an advised range that ended inside one left that huge page's range split between
-    /// two of the kernel's mappings, and an array the allocator later placed across it (glibc
-    /// serves arrays below its mmap threshold, which rises to the largest block freed, from
-    /// memory it reuses) could not be collapsed (`EINVAL`), so part of it stayed on small pages.
+    /// huge-page aligned and a whole number of huge pages, so its advice covers whole huge
+    /// pages (an advised range that ends inside one splits that huge page's range between two
+    /// of the kernel's mappings) and a lengthened mapping starts on a huge page too.
     fn layout(len: usize) -> Option<Layout> {
         let bytes = len
             .checked_mul(size_of::<T>())
@@ -145,6 +171,125 @@ impl<T: Copy> TableArray<MaybeUninit<T>> {
     }
 }
 
+impl<T: Copy> TableArray<MaybeUninit<T>> {
+    /// Whether this array is a mapping of its own, which [`lengthen`](Self::lengthen) grows
+    /// where it lies.
+    pub(super) fn is_mapping(&self) -> bool {
+        Self::layout(self.len).is_some_and(is_mapping)
+    }
+
+    /// Lengthens the array to `len` elements (no fewer than it has): its elements stay at their
+    /// indices and the rest are unwritten. A mapping of its own is lengthened where it lies:
+    /// `mremap` moves its pages into a mapping of the new length on a huge-page boundary, so
+    /// none is copied or touched again. Any other array (or a mapping the kernel will not move)
+    /// is copied into a new one.
+    pub(super) fn lengthen(&mut self, len: usize) {
+        debug_assert!(len >= self.len, "an array is lengthened, not shortened");
+        if let (Some(old), Some(new)) = (Self::layout(self.len), Self::layout(len)) {
+            if is_mapping(old) {
+                if let Some(moved) = remap(self.ptr.as_ptr().cast(), old.size(), new.size()) {
+                    self.ptr = moved.cast();
+                    self.len = len;
+                    advise_if_huge(self.ptr, new, Advice::HugePages);
+                    return;
+                }
+            }
+        }
+        let mut longer = Self::unwritten(len);
+        longer[..self.len].copy_from_slice(self);
+        *self = longer;
+    }
+}
+
+/// Whether an allocation of `layout` is a mapping of its own ([`MAPPED_BYTES`]).
+fn is_mapping(layout: Layout) -> bool {
+    layout.size() >= MAPPED_BYTES
+}
+
+/// A new anonymous mapping of `bytes` (a whole number of huge pages) on a huge-page boundary,
+/// counted in [`MAPPED`]; null where the kernel refuses. The kernel places a mapping on a page
+/// boundary only, so one a huge page longer is asked for and the slack on either side of the
+/// boundary given back.
+#[cfg(target_os = "linux")]
+fn map(bytes: usize) -> *mut u8 {
+    // SAFETY: a new anonymous mapping, of which only the part from the boundary on is kept;
+    // nothing else refers to the slack given back.
+    let start = unsafe {
+        let raw = libc::mmap(
+            std::ptr::null_mut(),
+            bytes + HUGE_PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if raw == libc::MAP_FAILED {
+            return std::ptr::null_mut();
+        }
+        let start = (raw as usize).next_multiple_of(HUGE_PAGE);
+        let before = start - raw as usize;
+        if before > 0 {
+            libc::munmap(raw, before);
+        }
+        if before < HUGE_PAGE {
+            libc::munmap((start + bytes) as *mut libc::c_void, HUGE_PAGE - before);
+        }
+        start
+    };
+    MAPPED.fetch_add(bytes, Ordering::Relaxed);
+    start as *mut u8
+}
+
+/// Moves the mapping of `old_bytes` at `start` into a new one of `new_bytes` on a huge-page
+/// boundary, its pages with it (`None`, and the mapping left where it is, where the kernel
+/// refuses). The new place is made by [`map`] and `MREMAP_FIXED` replaces it; the kernel's own
+/// choice of place (`MREMAP_MAYMOVE` alone) need not be on a huge-page boundary, and there the
+/// moved huge pages would be split.
+#[cfg(target_os = "linux")]
+fn remap(start: *mut u8, old_bytes: usize, new_bytes: usize) -> Option<NonNull<u8>> {
+    let target = NonNull::new(map(new_bytes))?;
+    // SAFETY: `start` is a live mapping of `old_bytes` of ours, `target` a mapping of
+    // `new_bytes` just made for it, which the move replaces; nothing refers to either but
+    // the array being lengthened.
+    let moved = unsafe {
+        libc::mremap(
+            start.cast(),
+            old_bytes,
+            new_bytes,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            target.as_ptr().cast::<libc::c_void>(),
+        )
+    };
+    if moved == libc::MAP_FAILED {
+        unmap(target.as_ptr(), new_bytes);
+        return None;
+    }
+    MAPPED.fetch_sub(old_bytes, Ordering::Relaxed);
+    Some(target)
+}
+
+/// Gives back a mapping of `bytes` made by [`map`] or [`remap`].
+#[cfg(target_os = "linux")]
+fn unmap(start: *mut u8, bytes: usize) {
+    // SAFETY: a live mapping of ours of this length, which nothing refers to any more.
+    unsafe { libc::munmap(start.cast(), bytes) };
+    MAPPED.fetch_sub(bytes, Ordering::Relaxed);
+}
+
+// Off Linux no array is a mapping ([`MAPPED_BYTES`]), so these are never called.
+#[cfg(not(target_os = "linux"))]
+fn map(_bytes: usize) -> *mut u8 {
+    std::ptr::null_mut()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn remap(_start: *mut u8, _old_bytes: usize, _new_bytes: usize) -> Option<NonNull<u8>> {
+    None
+}
+
+#[cfg(not(target_os = "linux"))]
+fn unmap(_start: *mut u8, _bytes: usize) {}
+
 /// Gives `advice` about an allocation made with `layout` if it is huge-page aligned (a huge page
 /// long or more).
 fn advise_if_huge<T>(raw: NonNull<T>, layout: Layout, advice: Advice) {
@@ -158,8 +303,6 @@ fn advise_if_huge<T>(raw: NonNull<T>, layout: Layout, advice: Advice) {
 enum Advice {
     /// Back the range with huge pages when it is faulted in (`MADV_HUGEPAGE`).
     HugePages,
-    /// Replace the range's small pages with huge pages now (`MADV_COLLAPSE`, Linux 6.1).
-    Collapse,
     /// Fault the range's pages in as a write to each would, without writing them
     /// (`MADV_POPULATE_WRITE`, Linux 5.14).
     FaultIn,
@@ -170,12 +313,11 @@ const ADVICE_TAKES_EFFECT: bool = cfg!(all(target_os = "linux", target_env = "gn
 
 /// Gives the kernel `advice` about one live allocation of ours. Errors are ignored: a kernel
 /// without the feature, or one that declines, leaves the memory as it was. Only on glibc
-/// targets, the ones `libc` names `MADV_COLLAPSE` for (the release image is one).
+/// targets (the release image is one).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn advise(start: *mut u8, bytes: usize, advice: Advice) {
     let advice = match advice {
         Advice::HugePages => libc::MADV_HUGEPAGE,
-        Advice::Collapse => libc::MADV_COLLAPSE,
         Advice::FaultIn => libc::MADV_POPULATE_WRITE,
     };
     // SAFETY: the range lies in one live allocation, page aligned (huge-page aligned, in
@@ -238,6 +380,10 @@ pub(super) fn with_pages_faulted_from_the_end<R>(
 impl<T: Zeroable> Drop for TableArray<T> {
     fn drop(&mut self) {
         if let Some(layout) = Self::layout(self.len) {
+            if is_mapping(layout) {
+                unmap(self.ptr.as_ptr().cast(), layout.size());
+                return;
+            }
             // SAFETY: allocated in `allocate` (for `zeroed` or `clone`) with this same layout.
             unsafe { alloc::dealloc(self.ptr.as_ptr().cast(), layout) }
         }
@@ -261,9 +407,8 @@ impl<T: Zeroable> DerefMut for TableArray<T> {
 
 /// Clones are the snapshot's temporary copy of the state, made under the state's lock (routing
 /// waits), encoded on the snapshot thread and dropped. So a clone is copied straight into new
-/// memory, without the zeroing pass or the collapse: fresh memory still faults in as huge pages
-/// (fewer, cheaper faults than 4 KiB ones), and reused memory keeps its pages, which a
-/// temporary does not mind.
+/// memory, without a zeroing pass: a new mapping still faults in as huge pages (fewer, cheaper
+/// faults than 4 KiB ones).
 impl<T: Zeroable> Clone for TableArray<T> {
     fn clone(&self) -> Self {
         let Some((raw, layout)) = Self::allocate(self.len) else {
@@ -312,6 +457,53 @@ mod tests {
                 let copy = array.clone();
                 assert_eq!(copy[len - 1], (7, 9), "a clone holds what was written");
                 assert_eq!(copy.len(), len);
+            }
+        }
+    }
+
+    #[test]
+    fn a_lengthened_array_keeps_its_elements_and_a_mapping_its_huge_pages() {
+        for len in [1000, HUGE_PAGE / 16, 2 * HUGE_PAGE / 16] {
+            let mut array = TableArray::<MaybeUninit<(u64, u64)>>::unwritten(len);
+            for (i, bucket) in array.iter_mut().enumerate() {
+                bucket.write((i as u64, !(i as u64)));
+            }
+            array.lengthen(2 * len);
+            assert_eq!(array.len(), 2 * len);
+            // SAFETY: the first `len` elements were written above, and lengthening keeps them.
+            let kept = array[..len].iter().map(|b| unsafe { b.assume_init() });
+            assert!(
+                (kept.enumerate()).all(|(i, b)| b == (i as u64, !(i as u64))),
+                "a lengthened array of {len} elements keeps every one at its index"
+            );
+            if len * 16 < MAPPED_BYTES {
+                continue;
+            }
+            assert!(
+                array.is_mapping(),
+                "an array of {len} elements is a mapping"
+            );
+            assert_eq!(
+                array.as_ptr() as usize % HUGE_PAGE,
+                0,
+                "a lengthened mapping starts on a huge page"
+            );
+            assert!(
+                mapped_table_bytes() >= 2 * len * 16,
+                "a lengthened mapping's bytes are counted"
+            );
+            for bucket in array[len..].iter_mut().step_by(256) {
+                bucket.write((1, 1));
+            }
+            if let Some(mode) = transparent_huge_pages().filter(|mode| mode != "never") {
+                let huge_kib = huge_kib_of_mapping_at(array.as_ptr() as usize);
+                assert!(
+                    huge_kib >= (2 * len * 16 / 1024) as u64,
+                    "with transparent huge pages `{mode}`, a mapping lengthened to {} KiB \
+                     sits on huge pages, the pages it kept and the new ones (it has {huge_kib} \
+                     KiB of them)",
+                    2 * len * 16 / 1024
+                );
             }
         }
     }
@@ -393,9 +585,12 @@ mod tests {
             eprintln!("transparent huge pages are off here: nothing to check");
             return;
         };
-        // Memory the allocator already used (small pages) as well as fresh memory.
-        drop(TableArray::<(u64, u64)>::zeroed(HUGE_PAGE / 8));
-        let array = TableArray::<(u64, u64)>::zeroed(2 * HUGE_PAGE / 16);
+        // Zeroed (by the kernel, as a new mapping's pages are first touched), then written
+        // here and there, as a table's tags are.
+        let mut array = TableArray::<(u64, u64)>::zeroed(2 * HUGE_PAGE / 16);
+        for entry in array.iter_mut().step_by(256) {
+            *entry = (1, 1);
+        }
         let huge_kib = huge_kib_of_mapping_at(array.as_ptr() as usize);
         assert!(
             huge_kib >= 2 * HUGE_PAGE as u64 / 1024,
@@ -403,8 +598,7 @@ mod tests {
              (its mapping has {huge_kib} KiB of them)"
         );
         drop(array);
-        // Left unwritten (on the memory just freed), then written here and there, as a grown
-        // table's buckets are.
+        // Left unwritten, then written here and there, as a grown table's buckets are.
         let mut unwritten = TableArray::<MaybeUninit<(u64, u64)>>::unwritten(4 * HUGE_PAGE / 16);
         for bucket in unwritten.iter_mut().step_by(256) {
             bucket.write((1, 1));

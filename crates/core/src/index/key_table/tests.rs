@@ -269,25 +269,113 @@ fn size_follows_live_entries_under_churn() {
     );
 }
 
+/// A key whose [`hash`] is `hash`: the multiplier is odd, so it has an inverse modulo 2^64
+/// (each step of Newton's iteration doubles the inverse's bits that are right, from 3 to 96).
+fn key_hashing_to(hash: u64) -> u64 {
+    const MULTIPLIER: u64 = 0x9E37_79B9_7F4A_7C15;
+    let inverse = (0..5).fold(MULTIPLIER, |x, _| {
+        x.wrapping_mul(2u64.wrapping_sub(MULTIPLIER.wrapping_mul(x)))
+    });
+    hash.wrapping_mul(inverse)
+}
+
 #[test]
-fn a_table_grown_while_a_helper_faults_its_pages_keeps_every_entry() {
+fn a_table_doubled_in_place_keeps_every_key_reachable_when_runs_wrap_past_the_last_bucket() {
+    // Keys homed at the last bucket at every table size, whose runs wrap to the first buckets,
+    // keys homed at the first bucket among them, and spread keys.
+    let keys: Vec<u64> = (0..3_000u64)
+        .map(|i| match i % 3 {
+            0 => key_hashing_to(u64::MAX - i),
+            1 => key_hashing_to(i),
+            _ => i.wrapping_mul(0x2545_F491_4F6C_DD1D),
+        })
+        .collect();
     let mut table = KeyTable::default();
-    // Past 2^18 buckets the doublings write arrays of 8 MiB and more, which a helper thread
-    // faults in from their end while the rehash writes them from their start.
-    let keys = 0..400_000u64;
-    for k in keys.clone() {
-        table.insert(k.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1, k);
+    for (n, &key) in keys.iter().enumerate() {
+        table.insert(key, n as u64);
+        // At the grow point (the next insert would double it), the table doubled in place.
+        if (table.len() + 1) * MAX_LOAD.1 > table.tags.len() * MAX_LOAD.0 {
+            let mut doubled = table.clone();
+            doubled.double_in_place();
+            assert_eq!(doubled.tags.len(), 2 * table.tags.len());
+            assert!(
+                (keys[..=n].iter().enumerate()).all(|(m, &k)| doubled.get(k) == Some(m as u64)),
+                "doubled in place to {} buckets, every key is reachable from its home",
+                doubled.tags.len()
+            );
+            assert_eq!(
+                doubled.iter().count(),
+                n + 1,
+                "every entry is in exactly one bucket after the doubling"
+            );
+        }
+    }
+}
+
+proptest! {
+    #[test]
+    fn a_table_doubled_in_place_holds_exactly_what_it_held(
+        keys in prop::collection::vec(
+            prop_oneof![key(), any::<u64>(), (0u64..8).prop_map(|k| key_hashing_to(!k))],
+            1..300,
+        ),
+    ) {
+        let mut table = KeyTable::default();
+        for (i, &k) in keys.iter().enumerate() {
+            table.insert(k, i as u64);
+        }
+        let mut doubled = table.clone();
+        doubled.double_in_place();
+        let mut before: Vec<_> = table.iter().collect();
+        before.sort_unstable();
+        let mut after: Vec<_> = doubled.iter().collect();
+        after.sort_unstable();
+        prop_assert_eq!(after, before, "the doubled table holds the same entries");
+        prop_assert!(
+            table.iter().all(|(k, v)| doubled.get(k) == Some(v)),
+            "every key is reachable from its home in the doubled table"
+        );
+    }
+}
+
+#[test]
+fn a_large_table_doubles_where_its_buckets_lie_and_shrinks_with_a_helper_keeping_every_entry() {
+    let mut table = KeyTable::default();
+    // Past 2^17 buckets (2 MiB) the bucket array is a mapping of its own, lengthened in place
+    // at each doubling.
+    let key = |k: u64| k.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+    for k in 0..400_000u64 {
+        table.insert(key(k), k);
+    }
+    assert_eq!(table.tags.len(), 1 << 20, "doubled up to 2^20 buckets");
+    if cfg!(target_os = "linux") {
+        assert!(
+            table.buckets.is_mapping(),
+            "16 MiB of buckets are a mapping"
+        );
+        assert!(
+            crate::index::mapped_table_bytes() >= table.buckets.len() * 16,
+            "the mapping's bytes are counted"
+        );
     }
     assert!(
-        table.buckets.pages_worth_a_helper().is_some(),
-        "the table grew past the size a helper faults in: {} buckets",
-        table.tags.len()
+        (0..400_000u64).all(|k| table.get(key(k)) == Some(k)),
+        "every entry moved through the doublings is found with its value"
     );
-    assert_eq!(table.len(), 400_000);
+    // Below an eighth full it halves by copying into a new array of 8 MiB, which a helper
+    // thread faults in from its end while the rehash writes it from its start.
+    for k in 100_000..400_000u64 {
+        assert_eq!(table.remove(key(k)), Some(k));
+    }
+    assert_eq!(table.tags.len(), 1 << 19, "halved to 2^19 buckets");
     assert!(
-        keys.clone()
-            .all(|k| table.get(k.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1) == Some(k)),
-        "every entry moved through the helped doublings is found with its value"
+        table.buckets.pages_worth_a_helper().is_some(),
+        "the halved table's array is one a helper faults in"
+    );
+    assert_eq!(table.len(), 100_000);
+    assert!(
+        (0..100_000u64).all(|k| table.get(key(k)) == Some(k)),
+        "every entry left is found with its value after the helped halving"
     );
 }
 
