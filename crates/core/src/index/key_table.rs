@@ -512,6 +512,8 @@ impl KeyTable {
         debug_assert!(buckets.is_power_of_two() && self.len * MAX_LOAD.1 <= buckets * MAX_LOAD.0);
         #[cfg(test)]
         RESIZES.with(|n| n.set(n.get() + 1));
+        // A doubling of a mapped bucket array happens where it lies; anything else (halving, a
+        // size reserved at once, an array not yet a mapping) is copied into new arrays.
         if buckets == 2 * self.tags.len() && self.buckets.is_mapping() {
             self.double_in_place();
             return;

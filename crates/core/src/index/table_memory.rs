@@ -20,11 +20,12 @@
 //! fifty-first parts). The mappings' bytes are counted in [`mapped_table_bytes`], which the
 //! memory figures add to the allocator's.
 //!
-//! A grown table's rehash writes its new bucket array from start to end, and each page it
-//! reaches for the first time faults in on the writer's thread. Where the host is slow to hand
-//! out fresh memory, those faults were two fifths of a stored block's time in a new process
-//! (docs/performance.md, fiftieth part), so a large array's pages are faulted in from its end by
-//! a helper thread while the rehash runs ([`with_pages_faulted_from_the_end`]).
+//! A table rehashed into a new array instead (one that halves, or whose bucket array is not yet
+//! a mapping) writes the new bucket array from start to end, and each page it reaches for the
+//! first time faults in on the writer's thread. Where the host is slow to hand out fresh
+//! memory, those faults were two fifths of a stored block's time in a new process
+//! (docs/performance.md, fiftieth part), so a large array's pages are faulted in from its end
+//! by a helper thread while the rehash runs ([`with_pages_faulted_from_the_end`]).
 
 use std::alloc::{self, Layout};
 use std::mem::MaybeUninit;
@@ -169,9 +170,7 @@ impl<T: Copy> TableArray<MaybeUninit<T>> {
     pub(super) fn unwritten(len: usize) -> Self {
         Self::new(len, false)
     }
-}
 
-impl<T: Copy> TableArray<MaybeUninit<T>> {
     /// Whether this array is a mapping of its own, which [`lengthen`](Self::lengthen) grows
     /// where it lies.
     pub(super) fn is_mapping(&self) -> bool {
