@@ -235,8 +235,11 @@ impl fmt::Debug for KeyTable {
     }
 }
 
+/// The multiplier of [`hash`]: 2^64 over the golden ratio, odd.
+const FIBONACCI: u64 = 0x9E37_79B9_7F4A_7C15;
+
 fn hash(key: u64) -> u64 {
-    key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    key.wrapping_mul(FIBONACCI)
 }
 
 impl KeyTable {

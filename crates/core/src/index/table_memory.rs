@@ -106,7 +106,6 @@ impl<T: Zeroable> TableArray<T> {
         let Some((raw, layout)) = Self::allocate(len) else {
             return Self::empty();
         };
-        advise_if_huge(raw, layout, Advice::HugePages);
         // A new mapping is zeroed already, by the kernel, as each page is first touched.
         if zero && !is_mapping(layout) {
             // SAFETY: `raw` is valid for `layout.size()` bytes; zero is a valid `T`
@@ -189,7 +188,10 @@ impl<T: Copy> TableArray<MaybeUninit<T>> {
                 if let Some(moved) = remap(self.ptr.as_ptr().cast(), old.size(), new.size()) {
                     self.ptr = moved.cast();
                     self.len = len;
-                    advise_if_huge(self.ptr, new, Advice::HugePages);
+                    // The moved mapping is advised again, its new part with it: left to the
+                    // advice it carried over, apply at 1,024 workers from a new process ran
+                    // lower in four alternated pairs (docs/performance.md, fifty-first part).
+                    advise(moved.as_ptr(), new.size(), Advice::HugePages);
                     return;
                 }
             }
@@ -206,9 +208,9 @@ fn is_mapping(layout: Layout) -> bool {
 }
 
 /// A new anonymous mapping of `bytes` (a whole number of huge pages) on a huge-page boundary,
-/// counted in [`MAPPED`]; null where the kernel refuses. The kernel places a mapping on a page
-/// boundary only, so one a huge page longer is asked for and the slack on either side of the
-/// boundary given back.
+/// marked `MADV_HUGEPAGE` before anything touches it and counted in [`MAPPED`]; null where the
+/// kernel refuses. The kernel places a mapping on a page boundary only, so one a huge page
+/// longer is asked for and the slack on either side of the boundary given back.
 #[cfg(target_os = "linux")]
 fn map(bytes: usize) -> *mut u8 {
     // SAFETY: a new anonymous mapping, of which only the part from the boundary on is kept;
@@ -233,10 +235,11 @@ fn map(bytes: usize) -> *mut u8 {
         if before < HUGE_PAGE {
             libc::munmap((start + bytes) as *mut libc::c_void, HUGE_PAGE - before);
         }
-        start
+        start as *mut u8
     };
+    advise(start, bytes, Advice::HugePages);
     MAPPED.fetch_add(bytes, Ordering::Relaxed);
-    start as *mut u8
+    start
 }
 
 /// Moves the mapping of `old_bytes` at `start` into a new one of `new_bytes` on a huge-page
@@ -288,14 +291,6 @@ fn remap(_start: *mut u8, _old_bytes: usize, _new_bytes: usize) -> Option<NonNul
 
 #[cfg(not(target_os = "linux"))]
 fn unmap(_start: *mut u8, _bytes: usize) {}
-
-/// Gives `advice` about an allocation made with `layout` if it is huge-page aligned (a huge page
-/// long or more).
-fn advise_if_huge<T>(raw: NonNull<T>, layout: Layout, advice: Advice) {
-    if layout.align() == HUGE_PAGE {
-        advise(raw.as_ptr().cast(), layout.size(), advice);
-    }
-}
 
 /// What [`advise`] tells the kernel about a range.
 #[derive(Clone, Copy)]
@@ -410,10 +405,9 @@ impl<T: Zeroable> DerefMut for TableArray<T> {
 /// faults than 4 KiB ones).
 impl<T: Zeroable> Clone for TableArray<T> {
     fn clone(&self) -> Self {
-        let Some((raw, layout)) = Self::allocate(self.len) else {
+        let Some((raw, _)) = Self::allocate(self.len) else {
             return Self::empty();
         };
-        advise_if_huge(raw, layout, Advice::HugePages);
         // SAFETY: `raw` has room for `len` elements and is a new allocation, so the ranges do not
         // overlap; the source holds `len` initialised elements.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), raw.as_ptr(), self.len) };

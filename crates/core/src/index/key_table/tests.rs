@@ -34,7 +34,7 @@ fn key() -> impl Strategy<Value = u64> {
     prop_oneof![
         (0u64..64),
         (0u64..64).prop_map(|k| k << 58),
-        (0u64..64).prop_map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        (0u64..64).prop_map(|k| k.wrapping_mul(FIBONACCI)),
     ]
 }
 
@@ -272,9 +272,8 @@ fn size_follows_live_entries_under_churn() {
 /// A key whose [`hash`] is `hash`: the multiplier is odd, so it has an inverse modulo 2^64
 /// (each step of Newton's iteration doubles the inverse's bits that are right, from 3 to 96).
 fn key_hashing_to(hash: u64) -> u64 {
-    const MULTIPLIER: u64 = 0x9E37_79B9_7F4A_7C15;
-    let inverse = (0..5).fold(MULTIPLIER, |x, _| {
-        x.wrapping_mul(2u64.wrapping_sub(MULTIPLIER.wrapping_mul(x)))
+    let inverse = (0..5).fold(FIBONACCI, |x, _| {
+        x.wrapping_mul(2u64.wrapping_sub(FIBONACCI.wrapping_mul(x)))
     });
     hash.wrapping_mul(inverse)
 }
