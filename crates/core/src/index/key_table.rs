@@ -35,7 +35,7 @@ use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::table_memory::{with_pages_faulted_from_the_end, TableArray};
+use super::table_memory::{with_pages_faulted_ahead, TableArray, Writes};
 use crate::prefetch::prefetch;
 
 /// The tag of a free bucket. A used bucket's tag has its top bit set.
@@ -525,8 +525,8 @@ impl KeyTable {
         let old_tags = std::mem::replace(&mut self.tags, TableArray::zeroed(buckets));
         let old = std::mem::replace(&mut self.buckets, TableArray::unwritten(buckets));
         self.shift = 64 - buckets.trailing_zeros();
-        let pages = self.buckets.pages_worth_a_helper();
-        with_pages_faulted_from_the_end(pages, || self.rehash(&old_tags, &old));
+        let pages = self.buckets.pages_worth_a_helper(0);
+        with_pages_faulted_ahead(pages, Writes::Upwards, || self.rehash(&old_tags, &old));
     }
 
     /// Doubles the table where its buckets lie: the bucket array is lengthened
@@ -545,11 +545,24 @@ impl KeyTable {
     /// down, an entry's new home (about twice its old bucket) mostly lies in the part of the
     /// array already passed or new, so swaps are rare and the reads and writes both run
     /// downwards in order.
+    ///
+    /// The pass writes the new half in its first half, from the top down, so a helper thread
+    /// faults the new half in from its start up meanwhile ([`with_pages_faulted_ahead`]): a
+    /// table grown to 2^21 buckets from a new process spent about half as long in these
+    /// doublings with it (docs/performance.md, fifty-second part).
     fn double_in_place(&mut self) {
         let old_len = self.tags.len();
         self.buckets.lengthen(2 * old_len);
-        let mut moving = std::mem::replace(&mut self.tags, TableArray::zeroed(2 * old_len));
+        let moving = std::mem::replace(&mut self.tags, TableArray::zeroed(2 * old_len));
         self.shift -= 1;
+        let new_half = self.buckets.pages_worth_a_helper(old_len);
+        with_pages_faulted_ahead(new_half, Writes::Downwards, || self.place_downwards(moving));
+    }
+
+    /// [`double_in_place`](Self::double_in_place)'s pass: places every entry `moving` marks,
+    /// from the last old bucket down.
+    fn place_downwards(&mut self, mut moving: TableArray<u8>) {
+        let old_len = moving.len();
         let mask = self.mask();
         for i in (0..old_len).rev() {
             while moving[i] != FREE {

@@ -20,12 +20,13 @@
 //! fifty-first parts). The mappings' bytes are counted in [`mapped_table_bytes`], which the
 //! memory figures add to the allocator's.
 //!
-//! A table rehashed into a new array instead (one that halves, or whose bucket array is not yet
-//! a mapping) writes the new bucket array from start to end, and each page it reaches for the
-//! first time faults in on the writer's thread. Where the host is slow to hand out fresh
-//! memory, those faults were two fifths of a stored block's time in a new process
-//! (docs/performance.md, fiftieth part), so a large array's pages are faulted in from its end
-//! by a helper thread while the rehash runs ([`with_pages_faulted_from_the_end`]).
+//! Each page a table's pass reaches for the first time faults in on the writer's thread. Where
+//! the host is slow to hand out fresh memory, those faults were two fifths of a stored block's
+//! time in a new process (docs/performance.md, fiftieth part), so a large range of fresh pages
+//! is faulted in by a helper thread from the end the pass reaches last
+//! ([`with_pages_faulted_ahead`]): a rehashed table's new bucket array (one that halves, or
+//! whose bucket array is not yet a mapping), written from start to end, and a doubling in
+//! place's new half, written from end to start.
 
 use std::alloc::{self, Layout};
 use std::mem::MaybeUninit;
@@ -54,8 +55,8 @@ pub fn mapped_table_bytes() -> usize {
     MAPPED.load(Ordering::Relaxed)
 }
 
-/// Arrays at least this large are faulted in by a helper thread as they are first written
-/// ([`with_pages_faulted_from_the_end`]): four huge pages, so a helper is started only where it
+/// Ranges at least this large are faulted in by a helper thread as they are first written
+/// ([`with_pages_faulted_ahead`]): four huge pages, so a helper is started only where it
 /// has whole huge pages to fault while the writer works (a few times per table as it doubles
 /// past it), not for the many small tables.
 const HELPED_BYTES: usize = 4 * HUGE_PAGE;
@@ -150,13 +151,17 @@ impl<T: Zeroable> TableArray<T> {
         Some(Layout::from_size_align(bytes, align).expect("table layout"))
     }
 
-    /// This array's memory, as plain numbers a helper thread may fault in, when it is at least
-    /// [`HELPED_BYTES`] long.
-    pub(super) fn pages_worth_a_helper(&self) -> Option<Pages> {
-        let bytes = self.len * size_of::<T>();
-        (bytes >= HELPED_BYTES).then_some(Pages {
-            start: self.ptr.as_ptr() as usize,
-            bytes,
+    /// The memory of this array's elements from index `from` on, as plain numbers a helper
+    /// thread may fault in ([`with_pages_faulted_ahead`]), when it is at least
+    /// [`HELPED_BYTES`] long. It starts at the first huge page boundary from `from`'s element,
+    /// so the helper's advice covers whole pages.
+    pub(super) fn pages_worth_a_helper(&self, from: usize) -> Option<Pages> {
+        let array = self.ptr.as_ptr() as usize;
+        let end = array + self.len * size_of::<T>();
+        let start = (array + from.min(self.len) * size_of::<T>()).next_multiple_of(HUGE_PAGE);
+        (end.saturating_sub(start) >= HELPED_BYTES).then(|| Pages {
+            start,
+            bytes: end - start,
         })
     }
 }
@@ -328,24 +333,54 @@ fn advise(_start: *mut u8, _bytes: usize, _advice: Advice) {}
 /// writer keeps writing the array while a helper faults its pages in.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Pages {
+    /// On a huge-page boundary ([`TableArray::pages_worth_a_helper`]).
     start: usize,
     bytes: usize,
 }
 
-/// Runs `write`, a pass that writes an array's memory from its start towards its end (a rehash,
-/// which moves entries in bucket order), while a helper thread faults `pages` in from the end, a
-/// huge page at a time, until `write` returns or the helper reaches the start (past the pages the
-/// writer reached first, each costs it only a look at the page table). The writer then finds the
-/// back half of the array already backed by the kernel instead of faulting every page in itself: in
-/// a new process, where those first touches were the slow part of a doubling, the two cores share
-/// them.
+impl Pages {
+    /// The range's huge pages (the last one cut at the range's end) as `(from, to)` addresses,
+    /// in the order a helper faults them in: from the end a pass writing as `writes` says
+    /// reaches last.
+    fn huge_pages_ahead_of(self, writes: Writes) -> impl Iterator<Item = (usize, usize)> {
+        let (start, end) = (self.start, self.start + self.bytes);
+        let count = self.bytes.div_ceil(HUGE_PAGE);
+        (0..count).map(move |k| {
+            let k = match writes {
+                Writes::Upwards => count - 1 - k,
+                Writes::Downwards => k,
+            };
+            let from = start + k * HUGE_PAGE;
+            (from, (from + HUGE_PAGE).min(end))
+        })
+    }
+}
+
+/// Which way a pass writes an array's memory: a helper faults it in from the other end
+/// ([`with_pages_faulted_ahead`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Writes {
+    /// From the start towards the end (a copying rehash, which moves entries in bucket order).
+    Upwards,
+    /// From the end towards the start (a doubling in place, which moves entries from the last
+    /// old bucket down, into the new half first).
+    Downwards,
+}
+
+/// Runs `write`, a pass that writes `pages` in the direction `writes` says, while a helper
+/// thread faults them in from the other end, a huge page at a time, until `write` returns or
+/// the helper has crossed the range (past the pages the writer reached first, each costs it
+/// only a look at the page table). The writer then finds the far part of its range already
+/// backed by the kernel instead of faulting every page in itself: in a new process, where those
+/// first touches were the slow part of a doubling, the two cores share them.
 ///
 /// Faulting a page in changes nothing in it: the kernel backs a page that was never written
 /// with zeros, and leaves a page the writer already reached as it is. So the helper needs no
 /// other agreement with the writer than a flag to stop at, and a helper that cannot be started
 /// leaves the writer to fault every page, as it did before.
-pub(super) fn with_pages_faulted_from_the_end<R>(
+pub(super) fn with_pages_faulted_ahead<R>(
     pages: Option<Pages>,
+    writes: Writes,
     write: impl FnOnce() -> R,
 ) -> R {
     let Some(pages) = pages.filter(|_| ADVICE_TAKES_EFFECT) else {
@@ -357,11 +392,11 @@ pub(super) fn with_pages_faulted_from_the_end<R>(
         let _ = std::thread::Builder::new()
             .name("kvrouted-pages".into())
             .spawn_scoped(scope, || {
-                let mut end = pages.start + pages.bytes;
-                while end > pages.start && !written.load(Ordering::Relaxed) {
-                    let from = end.saturating_sub(HUGE_PAGE).max(pages.start);
-                    advise(from as *mut u8, end - from, Advice::FaultIn);
-                    end = from;
+                for (from, to) in pages.huge_pages_ahead_of(writes) {
+                    if written.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    advise(from as *mut u8, to - from, Advice::FaultIn);
                 }
             });
         let result = write();
@@ -616,43 +651,84 @@ mod tests {
         flag & 1 == 1
     }
 
+    #[test]
+    fn a_helper_starts_at_the_end_its_writer_reaches_last_and_covers_the_range_once() {
+        let pages = Pages {
+            start: 8 * HUGE_PAGE,
+            bytes: 2 * HUGE_PAGE + 100,
+        };
+        let end = pages.start + pages.bytes;
+        let upwards: Vec<_> = pages.huge_pages_ahead_of(Writes::Upwards).collect();
+        let downwards: Vec<_> = pages.huge_pages_ahead_of(Writes::Downwards).collect();
+        assert_eq!(
+            upwards,
+            [
+                (10 * HUGE_PAGE, end),
+                (9 * HUGE_PAGE, 10 * HUGE_PAGE),
+                (8 * HUGE_PAGE, 9 * HUGE_PAGE)
+            ],
+            "a pass writing upwards has its range faulted in from the end down, in whole huge \
+             pages"
+        );
+        assert_eq!(
+            downwards,
+            [
+                (8 * HUGE_PAGE, 9 * HUGE_PAGE),
+                (9 * HUGE_PAGE, 10 * HUGE_PAGE),
+                (10 * HUGE_PAGE, end)
+            ],
+            "a pass writing downwards has its range faulted in from the start up"
+        );
+    }
+
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[test]
     fn a_helper_faults_in_the_pages_the_writer_has_not_reached_and_changes_none() {
-        let mut array = TableArray::<MaybeUninit<(u64, u64)>>::unwritten(HELPED_BYTES / 16);
-        let (start, bytes) = (array.as_ptr() as usize, HELPED_BYTES);
-        // Whatever the allocator handed out, its pages are given back, so none is resident.
-        // SAFETY: the array's own range; its elements are `MaybeUninit`, so zeroed or dropped
-        // contents are allowed.
-        unsafe { libc::madvise(start as *mut libc::c_void, bytes, libc::MADV_DONTNEED) };
-        let last = start + bytes - 1;
-        assert!(!resident(last), "a page given back is not resident");
-        array[0].write((7, 9));
-        let pages = array.pages_worth_a_helper();
+        // Two helped ranges of HELPED_BYTES each: the whole of an array written upwards, and
+        // the back half of one twice as long written downwards (a doubling's new half).
+        for (writes, len, from) in [
+            (Writes::Upwards, HELPED_BYTES / 16, 0),
+            (Writes::Downwards, HELPED_BYTES / 8, HELPED_BYTES / 16),
+        ] {
+            let mut array = TableArray::<MaybeUninit<(u64, u64)>>::unwritten(len);
+            let (start, bytes) = (array.as_ptr() as usize, len * 16);
+            // Whatever the allocator handed out, its pages are given back, so none is
+            // resident. SAFETY: the array's own range; its elements are `MaybeUninit`, so
+            // zeroed or dropped contents are allowed.
+            unsafe { libc::madvise(start as *mut libc::c_void, bytes, libc::MADV_DONTNEED) };
+            // The writer's first element, and the far end of the range from it.
+            let (first, far) = match writes {
+                Writes::Upwards => (from, start + bytes - 1),
+                Writes::Downwards => (len - 1, start + from * 16),
+            };
+            assert!(!resident(far), "a page given back is not resident");
+            array[first].write((7, 9));
+            let pages = array.pages_worth_a_helper(from);
+            assert!(
+                pages.is_some_and(|p| p.start == start + from * 16 && p.bytes == HELPED_BYTES),
+                "{HELPED_BYTES} bytes from element {from} are worth a helper: {pages:?}"
+            );
+            // The writer stays on its first page until the helper has reached the far one.
+            let reached = with_pages_faulted_ahead(pages, writes, || {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                while !resident(far) && std::time::Instant::now() < deadline {
+                    std::thread::yield_now();
+                }
+                resident(far)
+            });
+            assert!(
+                reached,
+                "while the writer works {writes:?} from one end, the helper faults the other in"
+            );
+            // SAFETY: written above.
+            let written = unsafe { array[first].assume_init() };
+            assert_eq!(written, (7, 9), "faulting pages in leaves what was written");
+        }
+        let array = TableArray::<u8>::zeroed(HELPED_BYTES + 1);
         assert!(
-            pages.is_some(),
-            "an array of {HELPED_BYTES} bytes is worth a helper"
-        );
-        // The writer stays on its first page until the helper has reached the last one.
-        let reached = with_pages_faulted_from_the_end(pages, || {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-            while !resident(last) && std::time::Instant::now() < deadline {
-                std::thread::yield_now();
-            }
-            resident(last)
-        });
-        assert!(
-            reached,
-            "while the writer works on the array's start, the helper faults its end in"
-        );
-        // SAFETY: written above.
-        let first = unsafe { array[0].assume_init() };
-        assert_eq!(first, (7, 9), "faulting pages in leaves what was written");
-        assert!(
-            TableArray::<u8>::zeroed(HELPED_BYTES - 1)
-                .pages_worth_a_helper()
-                .is_none(),
-            "a smaller array is left to its writer"
+            array.pages_worth_a_helper(0).is_some() && array.pages_worth_a_helper(1).is_none(),
+            "a range shorter than {HELPED_BYTES} bytes from its first huge page on is left to \
+             its writer"
         );
     }
 }

@@ -341,7 +341,7 @@ proptest! {
 fn a_large_table_doubles_where_its_buckets_lie_and_shrinks_with_a_helper_keeping_every_entry() {
     let mut table = KeyTable::default();
     // Past 2^17 buckets (2 MiB) the bucket array is a mapping of its own, lengthened in place
-    // at each doubling.
+    // at each doubling; the last, to 2^20 buckets, has a helper fault its new 8 MiB in.
     let key = |k: u64| k.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
     for k in 0..400_000u64 {
         table.insert(key(k), k);
@@ -368,7 +368,7 @@ fn a_large_table_doubles_where_its_buckets_lie_and_shrinks_with_a_helper_keeping
     }
     assert_eq!(table.tags.len(), 1 << 19, "halved to 2^19 buckets");
     assert!(
-        table.buckets.pages_worth_a_helper().is_some(),
+        table.buckets.pages_worth_a_helper(0).is_some(),
         "the halved table's array is one a helper faults in"
     );
     assert_eq!(table.len(), 100_000);
