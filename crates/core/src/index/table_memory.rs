@@ -24,9 +24,9 @@
 //! the host is slow to hand out fresh memory, those faults were two fifths of a stored block's
 //! time in a new process (docs/performance.md, fiftieth part), so a large range of fresh pages
 //! is faulted in by a helper thread from the end the pass reaches last
-//! ([`with_pages_faulted_ahead`]): a rehashed table's new bucket array (one that halves, or
-//! whose bucket array is not yet a mapping), written from start to end, and a doubling in
-//! place's new half, written from end to start.
+//! ([`with_pages_faulted_ahead`]): a rehashed table's new bucket array (one that halves, one
+//! sized at once by `reserve`, or one whose bucket array is not yet a mapping), written from
+//! start to end, and a doubling in place's new half, written from end to start.
 
 use std::alloc::{self, Layout};
 use std::mem::MaybeUninit;
@@ -358,7 +358,7 @@ impl Pages {
 
 /// Which way a pass writes an array's memory: a helper faults it in from the other end
 /// ([`with_pages_faulted_ahead`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub(super) enum Writes {
     /// From the start towards the end (a copying rehash, which moves entries in bucket order).
     Upwards,
