@@ -44,12 +44,12 @@ pub struct Telemetry {
 /// several has one entry per rank, and the worker-level fields (`state`, `model`,
 /// `capacity_blocks`, `block_size`, `dp_size`, `last_heard_ms`) are kept equal across them.
 ///
-/// Laid out for routing: a decision copies each owner's id into its reply (everything else a
-/// route reads of a rank lies in the router's per-rank rows, kept from these entries), so the
-/// entry starts a cache line and the id lies within one, the second. (Moving the id into the
-/// first line measured a little slower in the peer bench's 4,096-worker decisions, 18.6-19.2
-/// against 17.4-17.8 µs at the median, so the order stays.) The snapshot keeps its own field
-/// order (`WorkerWire`, private to this module).
+/// A route reads no entry per owner: the router keeps copies of what a decision reads of each
+/// rank (its per-rank rows and ids, refreshed for the entries that change). The entries keep
+/// the order and the cache-line alignment they had when routes read each owner's id here:
+/// with the compiler's order and no alignment the router applied events 5% more slowly in the
+/// peer bench at 1,024 workers (docs/performance.md, the fifty-third part). The snapshot keeps
+/// its own field order (`WorkerWire`, private to this module).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(from = "WorkerWire", into = "WorkerWire")]
 #[repr(C, align(64))]

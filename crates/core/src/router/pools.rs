@@ -4,7 +4,7 @@
 //! - [`RouteScratch`]: one [`RankRow`] per rank, reused from route to route: the rank's depths
 //!   on each tier (each row names the route it was written for, and a row of an earlier route
 //!   reads as zero, so ending a route resets nothing) beside a copy of what the policy reads of
-//!   its worker entry, in one cache line.
+//!   its worker entry, in one cache line; and each rank's worker id, in a table of its own.
 //! - [`Pools`]: the fleet's candidate pools (candidates, cool, safe; docs/architecture.md,
 //!   "Policy") as order-statistic trees over slots, one per model, updated for each rank that
 //!   changed (the worker table notes them) and for each rank whose telemetry went stale. A
@@ -25,6 +25,7 @@ use smallvec::SmallVec;
 
 use super::route::OwnerOrder;
 use crate::index::{extend_match, Slot};
+use crate::input::WorkerId;
 use crate::policy::{Fleet, PolicyConfig, Pool, WorkerView};
 use crate::workers::{Worker, WorkerState, Workers};
 
@@ -38,10 +39,15 @@ pub(super) const DISK: usize = 3;
 /// route's number; or it is 0, and the next `prepare` clears every row's depths), so every
 /// row's depths read as zero, and `touched` is empty; after [`RouteScratch::sync`] at `now`,
 /// the row of every slot of the worker table holds what [`RankRow::refresh`] makes of its
-/// entry at `now`.
+/// entry at `now`, and its name is the entry's id.
 #[derive(Debug, Default)]
 pub(super) struct RouteScratch {
     rows: Vec<RankRow>,
+    /// Each slot's worker id (`None`: a free slot), which a decision copies into its reply for
+    /// each owner. Read from the worker entries, a wide decision's owners each cost two cache
+    /// lines of an entry 256 bytes long (1 MiB at 4,096 ranks, more than a core's second-level
+    /// cache on some hosts); here an id is 40 bytes of a dense table.
+    names: Vec<Option<WorkerId>>,
     /// The route the rows are being written for. A row of another route reads as zero, so
     /// ending a route zeroes nothing: a wide decision touches hundreds of rows, and storing
     /// to each of them again cost more than the check on every read.
@@ -182,6 +188,7 @@ impl RouteScratch {
     fn cover(&mut self, slots: usize) {
         if self.rows.len() < slots {
             self.rows.resize(slots, RankRow::default());
+            self.names.resize(slots, None);
         }
     }
 
@@ -263,6 +270,11 @@ impl RouteScratch {
         self.rows.get(slot as usize).filter(|row| row.is_live())
     }
 
+    /// The worker id of a live rank.
+    pub(super) fn name(&self, slot: Slot) -> &WorkerId {
+        self.names[slot as usize].as_ref().expect("a live rank")
+    }
+
     /// Ranks with a match on some tier.
     pub(super) fn touched(&self) -> &[Slot] {
         &self.touched
@@ -285,13 +297,16 @@ impl RouteScratch {
         self.buffers = buffers;
     }
 
-    /// Brings the pools and the rows' copies of the worker entries up to date for a route at
-    /// `now`.
+    /// Brings the pools and the rows' and names' copies of the worker entries up to date for a
+    /// route at `now`.
     pub(super) fn sync(&mut self, workers: &mut Workers, config: &PolicyConfig, now: u64) {
         workers.take_changed(&mut self.changed);
         self.cover(workers.slot_count());
-        self.pools
-            .sync(workers, config, now, &self.changed, &mut self.rows);
+        let copies = RankCopies {
+            rows: &mut self.rows,
+            names: &mut self.names,
+        };
+        self.pools.sync(workers, config, now, &self.changed, copies);
         self.changed.clear();
     }
 
@@ -317,6 +332,43 @@ impl RouteScratch {
                 self.rows[slot as usize], fresh,
                 "the row of slot {slot} copies its worker entry as of the last sync"
             );
+            assert_eq!(
+                self.names[slot as usize].as_ref(),
+                worker.map(|w| &w.id),
+                "the name of slot {slot} is its worker's id"
+            );
+        }
+    }
+}
+
+/// What a route reads of each rank's worker entry, refreshed together by [`Pools::sync`]: the
+/// rows and the names of [`RouteScratch`].
+struct RankCopies<'a> {
+    rows: &'a mut [RankRow],
+    names: &'a mut [Option<WorkerId>],
+}
+
+impl RankCopies<'_> {
+    /// Copies what a route reads of `slot`'s entry (`worker`; `None`: the slot is free), with
+    /// its id label, its pools class and its ranked pressure.
+    fn refresh(
+        &mut self,
+        slot: Slot,
+        worker: Option<&Worker>,
+        id_order: u32,
+        class: usize,
+        pressure: Option<f64>,
+    ) {
+        // A slot past the rows is one past the table: a rank that left, whose row went with it.
+        let Some(row) = self.rows.get_mut(slot as usize) else {
+            return;
+        };
+        row.refresh(worker, id_order, class, pressure);
+        // Most refreshes follow a reservation or a load sample, which leave the id as it was.
+        let name = &mut self.names[slot as usize];
+        let id = worker.map(|w| &w.id);
+        if name.as_ref() != id {
+            *name = id.cloned();
         }
     }
 }
@@ -421,23 +473,23 @@ impl Pools {
     }
 
     /// Recounts the ranks in `changed` and those whose telemetry went stale by `now`, and
-    /// refreshes their rows (`rows` covers every slot of `workers`).
+    /// refreshes their copies (which cover every slot of `workers`).
     fn sync(
         &mut self,
         workers: &Workers,
         config: &PolicyConfig,
         now: u64,
         changed: &[Slot],
-        rows: &mut [RankRow],
+        mut copies: RankCopies,
     ) {
         // Staleness only ever sets in as time passes; if time went back, recount.
         if !self.built || now < self.last_now {
-            self.rebuild(workers, config, now, rows);
+            self.rebuild(workers, config, now, copies);
             return;
         }
         self.last_now = now;
         for &slot in changed {
-            self.refresh(slot, workers, config, now, rows);
+            self.refresh(slot, workers, config, now, &mut copies);
         }
         while let Some(&Reverse((stale, slot))) = self.stale_at.peek() {
             if stale >= now {
@@ -447,7 +499,7 @@ impl Pools {
             if self.queued[slot as usize] == stale {
                 self.queued[slot as usize] = u64::MAX;
             }
-            self.refresh(slot, workers, config, now, rows);
+            self.refresh(slot, workers, config, now, &mut copies);
         }
     }
 
@@ -456,7 +508,7 @@ impl Pools {
         workers: &Workers,
         config: &PolicyConfig,
         now: u64,
-        rows: &mut [RankRow],
+        mut copies: RankCopies,
     ) {
         *self = Pools {
             built: true,
@@ -468,22 +520,22 @@ impl Pools {
         self.members = vec![Member::default(); self.cap];
         self.queued = vec![u64::MAX; self.cap];
         for slot in 0..workers.slot_count() {
-            self.refresh(slot as Slot, workers, config, now, rows);
+            self.refresh(slot as Slot, workers, config, now, &mut copies);
         }
-        // Rows past the table (kept from a larger one) hold no rank.
-        for row in rows.iter_mut().skip(workers.slot_count()) {
-            row.refresh(None, 0, 0, None);
+        // Copies past the table (kept from a larger one) hold no rank.
+        for slot in workers.slot_count()..copies.rows.len() {
+            copies.refresh(slot as Slot, None, 0, 0, None);
         }
     }
 
-    /// Recounts one rank from its current state and refreshes its row.
+    /// Recounts one rank from its current state and refreshes its copies.
     fn refresh(
         &mut self,
         slot: Slot,
         workers: &Workers,
         config: &PolicyConfig,
         now: u64,
-        rows: &mut [RankRow],
+        copies: &mut RankCopies,
     ) {
         if slot as usize >= self.cap {
             self.grow(slot as usize + 1);
@@ -524,10 +576,7 @@ impl Pools {
                 },
             };
         }
-        // A slot past the rows is one past the table: a rank that left, whose row went with it.
-        if let Some(row) = rows.get_mut(slot as usize) {
-            row.refresh(worker, workers.id_order(slot), want.class, pressure);
-        }
+        copies.refresh(slot, worker, workers.id_order(slot), want.class, pressure);
         let had = self.members[slot as usize];
         if had == want {
             return;

@@ -360,10 +360,7 @@ impl Router {
             self.scratch.finish(buffers);
             return None;
         };
-        let id_of = |slot: Slot| {
-            let w = self.state.workers.get(slot).expect("a live rank");
-            w.id.clone()
-        };
+        let id_of = |slot: Slot| scratch.name(slot).clone();
         let chosen = view_of(choice.slot);
         let slot = chosen.slot;
         let worker_id = id_of(slot);
