@@ -47,9 +47,9 @@ pub struct Telemetry {
 /// A route reads no entry per owner: the router keeps copies of what a decision reads of each
 /// rank (its per-rank rows and ids, refreshed for the entries that change). The entries keep
 /// the order and the cache-line alignment they had when routes read each owner's id here:
-/// with the compiler's order and no alignment the router applied events 5% more slowly in the
-/// peer bench at 1,024 workers (docs/performance.md, the fifty-third part). The snapshot keeps
-/// its own field order (`WorkerWire`, private to this module).
+/// with the compiler's order and no alignment the router applied events about 6% more slowly
+/// in the peer bench at 1,024 workers (docs/performance.md, the fifty-third part). The snapshot
+/// keeps its own field order (`WorkerWire`, private to this module).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(from = "WorkerWire", into = "WorkerWire")]
 #[repr(C, align(64))]
