@@ -400,8 +400,8 @@ impl Router {
         all
     }
 
-    /// Asserts that the route rows copy the worker table as of the last route's sync, for every
-    /// rank that has not changed since.
+    /// Asserts that the route rows and names copy the worker table as of the last route's sync,
+    /// for every rank that has not changed since.
     #[cfg(test)]
     pub(crate) fn assert_route_rows_follow_workers(&self) {
         self.scratch

@@ -311,7 +311,8 @@ impl RouteScratch {
     }
 
     /// Checks the invariant that [`RouteScratch::sync`] keeps: the row of every slot that has
-    /// not changed since copies its worker entry as a refresh at the time of the sync would.
+    /// not changed since copies its worker entry as a refresh at the time of the sync would, and
+    /// its name is the entry's id.
     #[cfg(test)]
     pub(super) fn assert_rows_follow(&self, workers: &Workers, config: &PolicyConfig) {
         let now = self.pools.last_now;
