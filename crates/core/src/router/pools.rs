@@ -23,7 +23,7 @@ use rand_chacha::ChaCha8Core;
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
-use super::route::OwnerOrder;
+use super::owner_order::OwnerOrder;
 use crate::index::{extend_match, Slot};
 use crate::input::WorkerId;
 use crate::policy::{Fleet, PolicyConfig, Pool, WorkerView};
