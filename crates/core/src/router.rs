@@ -411,6 +411,7 @@ impl Router {
 
 mod ingest;
 mod output;
+mod owner_order;
 mod peers;
 mod pools;
 mod route;
