@@ -19,9 +19,15 @@ use kvrouted_testkit::counting_alloc::{self, Counting};
 static GLOBAL: Counting = Counting;
 
 const BLOCK: u32 = 16;
-/// More owners than the owner order sorts in place (128): a wide decision's sort keeps its
-/// buffers too.
+/// Workers that hold prompts. A prefix all of them hold has more owners than a 64th of the
+/// fleet's slots, which the owner order puts in id order by their places in the fleet.
 const WORKERS: usize = 256;
+/// Workers that only report load, so that a prefix [`SORTED_OWNERS`] workers hold has fewer
+/// owners than a 64th of the fleet's slots.
+const IDLE: usize = 8_200;
+/// More owners than the owner order sorts with the standard sort (128), fewer than a 64th of
+/// the fleet's slots: a counting pass sorts them, and its buffers are kept too.
+const SORTED_OWNERS: usize = 130;
 const PROMPT_BLOCKS: u64 = 32;
 
 fn worker(i: usize) -> WorkerId {
@@ -128,22 +134,27 @@ fn a_route_allocates_only_its_reply() {
         }),
         seq: 0,
     };
-    for w in 0..WORKERS {
+    for w in 0..WORKERS + IDLE {
         fleet.apply(load(w));
     }
-    // Chain 1 is held by two workers, chain 2 by every worker; chain 3 by none.
+    // Chain 1 is held by two workers, chain 2 by every worker that holds prompts, chain 4 by
+    // some of them; chain 3 by none.
     for w in [5, 40] {
         fleet.apply(stored(w, 1));
     }
     for w in 0..WORKERS {
         fleet.apply(stored(w, 2));
     }
+    for w in 0..SORTED_OWNERS {
+        fleet.apply(stored(w, 4));
+    }
     const ROUTES: u64 = 1_000;
     // A cold miss asks for a chain nobody has seen: asking for one chain again would find the
     // worker the last route chose as its approximate owner.
-    let cases: [(&str, RequestFor, usize); 3] = [
+    let cases: [(&str, RequestFor, usize); 4] = [
         ("a prefix two workers hold", |_| request(1), 2),
-        ("a prefix every worker holds", |_| request(2), WORKERS),
+        ("a prefix 256 workers hold", |_| request(2), WORKERS),
+        ("a prefix 130 workers hold", |_| request(4), SORTED_OWNERS),
         ("a cold miss", |i| request(1_000 + i), 0),
     ];
     for (what, requests, expected_owners) in cases {

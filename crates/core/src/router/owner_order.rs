@@ -1,6 +1,16 @@
 //! A decision's owners in id order, as the reply lists them: each worker once, at its lowest
 //! slot.
+//!
+//! Two ways to the same order. A decision whose owners are few beside the fleet sorts them
+//! ([`OwnerOrder::sort`]). One whose owners are at least a 64th of the fleet's slots marks a
+//! bit per owner at its place in the fleet's id order, kept from route to route
+//! ([`IdPlaces`]), and reads the bits back: a word per 64 slots, no more words than owners.
+//! The places keep the ids in id order too, so those owners' ids are read front to back. At
+//! 4,096 workers a tenant's shared prefix has 512 owners; sorting them and reading their ids
+//! from all over the slot table took about a fifth of such a decision (docs/performance.md,
+//! fifty-fourth part).
 
+use super::pools::RankRow;
 use super::*;
 
 /// A decision's owners put in id order, with the sort's buffers: kept between routes, so a wide
@@ -19,6 +29,54 @@ pub(super) struct OwnerOrder {
     counts: Vec<u32>,
     /// The counting pass's output, swapped with `keys` at the end.
     spare: Vec<u64>,
+    /// Each live rank's place in id order.
+    places: IdPlaces,
+    /// A bit per place: the decision's owners.
+    bits: Vec<u64>,
+}
+
+/// Every live rank's place in id order (by label, then slot) and the ids in that order, kept
+/// from route to route and rebuilt from the route rows and names after ranks join, leave or are
+/// labelled afresh. Invariant: while `current`, `order` holds the key (label above slot) of
+/// every live row, ascending, `place` maps each live row's slot to its key's index in `order`,
+/// and `names` holds each key's id at its index.
+#[derive(Debug, Default)]
+struct IdPlaces {
+    order: Vec<u64>,
+    /// Indexed by slot; read only for live ranks.
+    place: Vec<u32>,
+    /// The ids in place order, so that a wide decision reads its owners' ids front to back
+    /// rather than from all over the table by slot (where each was a cache miss).
+    names: Vec<Option<WorkerId>>,
+    current: bool,
+    /// Owners sorted since the places went out of date. The rebuild (a sort of the whole
+    /// fleet) waits until they add up to the fleet's slots, so a fleet whose ranks change
+    /// between every two wide decisions spends about as much on rebuilds as on its sorts.
+    sorted_since: usize,
+}
+
+impl IdPlaces {
+    /// Places every live rank of `rows`, whose ids are `names`.
+    fn rebuild(&mut self, rows: &[RankRow], names: &[Option<WorkerId>]) {
+        self.order.clear();
+        self.order.extend(
+            rows.iter()
+                .enumerate()
+                .filter(|(_, row)| row.is_live())
+                .map(|(slot, row)| u64::from(row.id_order) << 32 | slot as u64),
+        );
+        // Slots are distinct, so the keys are: an unstable sort gives the one order.
+        self.order.sort_unstable();
+        self.place.resize(rows.len(), 0);
+        self.names.clear();
+        for (place, &key) in self.order.iter().enumerate() {
+            let slot = key as u32 as usize;
+            self.place[slot] = place as u32;
+            self.names.push(names[slot].clone());
+        }
+        self.current = true;
+        self.sorted_since = 0;
+    }
 }
 
 impl OwnerOrder {
@@ -35,12 +93,101 @@ impl OwnerOrder {
         self.labels = Some((lowest.min(label), highest.max(label)));
     }
 
-    /// The owners' slots in id order, each worker once: of a worker's ranks (one label), the
-    /// lowest slot.
-    pub(super) fn slots_in_id_order(&mut self) -> impl Iterator<Item = Slot> + '_ {
-        self.sort();
+    /// Notes that a rank joined, left, or took another label or id: the places are out of date.
+    pub(super) fn ranks_moved(&mut self) {
+        self.places.current = false;
+    }
+
+    /// The owners' ids in id order, each worker once: of a worker's ranks (one label), the
+    /// lowest slot's. `rows` and `names` are the route rows and names as the route's sync left
+    /// them, which cover every slot of the fleet.
+    pub(super) fn ids_in_id_order(
+        &mut self,
+        rows: &[RankRow],
+        names: &[Option<WorkerId>],
+    ) -> Vec<WorkerId> {
+        // The keys' low halves: places into the places' names, or slots into the route's.
+        let names = if self.order_by_places(rows, names) {
+            &self.places.names
+        } else {
+            self.sort();
+            names
+        };
         self.keys.dedup_by_key(|&mut packed| packed >> 32);
-        self.keys.iter().map(|&packed| packed as u32)
+        self.keys
+            .iter()
+            .map(|&packed| names[packed as u32 as usize].clone().expect("a live rank"))
+            .collect()
+    }
+
+    /// Puts the keys in order by their places, when there are at least [`PLACES_FROM`] and a
+    /// word of bits per 64 slots of `rows` comes to no more words than keys, each key's slot
+    /// replaced by its place (the order of the places is that of the slots within a label);
+    /// returns false otherwise, and while the places wait for their rebuild, leaving the keys
+    /// to the sort.
+    fn order_by_places(&mut self, rows: &[RankRow], names: &[Option<WorkerId>]) -> bool {
+        let n = self.keys.len();
+        if n < PLACES_FROM || rows.len().div_ceil(64) > n {
+            return false;
+        }
+        let places = &mut self.places;
+        if !places.current {
+            places.sorted_since += n;
+            if places.sorted_since < rows.len() {
+                return false;
+            }
+            places.rebuild(rows, names);
+        }
+        let bits = &mut self.bits;
+        bits.clear();
+        bits.resize(places.order.len().div_ceil(64), 0);
+        for &key in &self.keys {
+            let place = places.place[key as u32 as usize] as usize;
+            debug_assert_eq!(places.order[place], key, "an owner's place holds its key");
+            bits[place / 64] |= 1 << (place % 64);
+        }
+        self.keys.clear();
+        for (word, &set) in bits.iter().enumerate() {
+            let mut set = set;
+            while set != 0 {
+                let place = word * 64 + set.trailing_zeros() as usize;
+                let label = places.order[place] >> 32;
+                self.keys.push(label << 32 | place as u64);
+                set &= set - 1;
+            }
+        }
+        true
+    }
+
+    /// Whether the places are up to date with the rows.
+    #[cfg(test)]
+    pub(super) fn places_current(&self) -> bool {
+        self.places.current
+    }
+
+    /// Checks [`IdPlaces`]' invariant against the route rows.
+    #[cfg(test)]
+    pub(super) fn assert_places_follow(&self, rows: &[RankRow], names: &[Option<WorkerId>]) {
+        if !self.places.current {
+            return;
+        }
+        let mut fresh = IdPlaces::default();
+        fresh.rebuild(rows, names);
+        assert_eq!(
+            self.places.order, fresh.order,
+            "current places hold every live rank in id order"
+        );
+        assert_eq!(
+            self.places.names, fresh.names,
+            "current places hold each live rank's id at its place"
+        );
+        for &key in &fresh.order {
+            let slot = key as u32 as usize;
+            assert_eq!(
+                self.places.place[slot], fresh.place[slot],
+                "the place of slot {slot} indexes its key"
+            );
+        }
     }
 
     /// Sorts the keys. A wide decision has hundreds, in an order unrelated to their ids, and a
@@ -118,6 +265,11 @@ impl OwnerOrder {
     }
 }
 
+/// The fewest owners a decision puts in order by their places; fewer are left to the standard
+/// sort, which is quick on a few. (32 is a wide decision's owners at 256 workers in the peer
+/// bench, where the two ways measured alike.)
+const PLACES_FROM: usize = 32;
+
 /// Buckets per key of [`OwnerOrder::sort`]'s counting pass: fewer keys share one, so fewer are
 /// left out of order.
 const BUCKETS_PER_KEY: usize = 2;
@@ -128,20 +280,34 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
+    /// The id the tests give the rank in `slot`.
+    fn name(slot: usize) -> WorkerId {
+        WorkerId::new(&format!("s{slot}")).expect("a valid id")
+    }
+
+    /// Rows and names of `slots` ranks, none live: a test pushes its owners' labels itself.
+    fn fleet(slots: usize) -> (Vec<RankRow>, Vec<Option<WorkerId>>) {
+        (
+            vec![RankRow::default(); slots],
+            (0..slots).map(|s| Some(name(s))).collect(),
+        )
+    }
+
     #[test]
     fn owners_come_out_in_id_order_each_worker_once_at_its_lowest_slot() {
         let mut order = OwnerOrder::default();
+        let (rows, names) = fleet(10);
         for (label, slot) in [(5, 9), (3, 4), (5, 2), (3, 7), (8, 1)] {
             order.push(label, slot);
         }
         assert_eq!(
-            order.slots_in_id_order().collect::<Vec<_>>(),
-            [4, 2, 1],
+            order.ids_in_id_order(&rows, &names),
+            [name(4), name(2), name(1)],
             "labels 3, 5, 8 in order; of a worker's ranks (one label) its lowest slot"
         );
         order.clear();
         assert_eq!(
-            order.slots_in_id_order().count(),
+            order.ids_in_id_order(&rows, &names).len(),
             0,
             "a cleared order names no owner"
         );
@@ -197,5 +363,64 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn owners_come_out_in_id_order_whether_placed_or_sorted_as_ranks_move() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        // One order for every decision, as a router keeps it: places built for one fleet must
+        // be rebuilt once ranks move, never read stale.
+        let mut order = OwnerOrder::default();
+        let (mut rows, names) = fleet(300);
+        for (slot, row) in rows.iter_mut().enumerate() {
+            if slot % 3 != 0 {
+                *row = RankRow::live_labelled(rng.random_range(0..200));
+            }
+        }
+        let mut placed = 0;
+        for round in 0..200 {
+            // Ranks join, leave or take another label; a few labels are shared (the ranks of
+            // one worker).
+            if round % 10 == 0 {
+                for _ in 0..rng.random_range(1..20) {
+                    let slot = rng.random_range(0..rows.len());
+                    rows[slot] = match rng.random_range(0..3) {
+                        0 => RankRow::default(),
+                        _ => RankRow::live_labelled(rng.random_range(0..200)),
+                    };
+                }
+                order.ranks_moved();
+            }
+            let live: Vec<Slot> = (0..rows.len() as Slot)
+                .filter(|&s| rows[s as usize].is_live())
+                .collect();
+            // From none to all of them, mostly past a 64th of the slots.
+            let n = match round % 5 {
+                0 => rng.random_range(0..40),
+                _ => rng.random_range(live.len() / 2..=live.len()),
+            };
+            order.clear();
+            let mut keys = Vec::new();
+            for &slot in live.iter().filter(|_| rng.random_range(0..live.len()) < n) {
+                order.push(rows[slot as usize].id_order, slot);
+                keys.push((rows[slot as usize].id_order, slot));
+            }
+            // Id order, then each label's lowest slot.
+            keys.sort();
+            keys.dedup_by_key(|&mut (label, _)| label);
+            let expected: Vec<WorkerId> =
+                keys.iter().map(|&(_, slot)| name(slot as usize)).collect();
+            let got = order.ids_in_id_order(&rows, &names);
+            assert_eq!(
+                got, expected,
+                "round {round}: owners come out in id order, each label once at its lowest slot"
+            );
+            order.assert_places_follow(&rows, &names);
+            placed += usize::from(order.places_current());
+        }
+        assert!(
+            placed > 100,
+            "most rounds read the places ({placed} of 200)"
+        );
     }
 }

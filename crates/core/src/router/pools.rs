@@ -151,6 +151,16 @@ impl RankRow {
         self.pressure = pressure.unwrap_or(0.0);
     }
 
+    /// A live row with the id label `id_order`, as a sync leaves it.
+    #[cfg(test)]
+    pub(super) fn live_labelled(id_order: u32) -> Self {
+        RankRow {
+            id_order,
+            flags: LIVE,
+            ..RankRow::default()
+        }
+    }
+
     pub(super) fn is_live(&self) -> bool {
         self.flags & LIVE != 0
     }
@@ -270,9 +280,20 @@ impl RouteScratch {
         self.rows.get(slot as usize).filter(|row| row.is_live())
     }
 
+    /// Every slot's row and name, as the last sync left them.
+    pub(super) fn rows_and_names(&self) -> (&[RankRow], &[Option<WorkerId>]) {
+        (&self.rows, &self.names)
+    }
+
     /// The worker id of a live rank.
     pub(super) fn name(&self, slot: Slot) -> &WorkerId {
         self.names[slot as usize].as_ref().expect("a live rank")
+    }
+
+    /// Whether the owner order's places in id order are up to date with the rows.
+    #[cfg(test)]
+    pub(super) fn owner_places_current(&self) -> bool {
+        self.buffers.owner_order.places_current()
     }
 
     /// Ranks with a match on some tier.
@@ -305,6 +326,7 @@ impl RouteScratch {
         let copies = RankCopies {
             rows: &mut self.rows,
             names: &mut self.names,
+            owner_order: &mut self.buffers.owner_order,
         };
         self.pools.sync(workers, config, now, &self.changed, copies);
         self.changed.clear();
@@ -339,14 +361,18 @@ impl RouteScratch {
                 "the name of slot {slot} is its worker's id"
             );
         }
+        self.buffers
+            .owner_order
+            .assert_places_follow(&self.rows, &self.names);
     }
 }
 
 /// What a route reads of each rank's worker entry, refreshed together by [`Pools::sync`]: the
-/// rows and the names of [`RouteScratch`].
+/// rows and the names of [`RouteScratch`], and the places in id order its owner order keeps.
 struct RankCopies<'a> {
     rows: &'a mut [RankRow],
     names: &'a mut [Option<WorkerId>],
+    owner_order: &'a mut OwnerOrder,
 }
 
 impl RankCopies<'_> {
@@ -364,12 +390,19 @@ impl RankCopies<'_> {
         let Some(row) = self.rows.get_mut(slot as usize) else {
             return;
         };
+        let placed = (row.is_live(), row.id_order);
         row.refresh(worker, id_order, class, pressure);
         // Most refreshes follow a reservation or a load sample, which leave the id as it was.
         let name = &mut self.names[slot as usize];
         let id = worker.map(|w| &w.id);
-        if name.as_ref() != id {
+        let renamed = name.as_ref() != id;
+        if renamed {
             *name = id.cloned();
+        }
+        // A rank that joined, left, took another label or another worker's id moves in id
+        // order; the same label and id in the same slot does not.
+        if renamed || (row.is_live(), row.id_order) != placed {
+            self.owner_order.ranks_moved();
         }
     }
 }

@@ -377,7 +377,8 @@ impl Router {
         choice
             .known_owners
             .for_each(views, |_, v| owner_order.push(v.id_order, v.slot));
-        let owners: Vec<WorkerId> = owner_order.slots_in_id_order().map(id_of).collect();
+        let (rows, names) = scratch.rows_and_names();
+        let owners = owner_order.ids_in_id_order(rows, names);
         let explain = req.explain.then(|| {
             let match_threshold = self.config.policy.match_threshold(req.keys.len());
             views

@@ -640,3 +640,75 @@ fn hundreds_of_owners_are_listed_in_id_order_once_per_worker() {
         "300 owners are listed in id order, a worker with two owning ranks once"
     );
 }
+
+#[test]
+fn wide_owner_lists_stay_in_id_order_as_ranks_join_leave_and_are_relabelled() {
+    // Every rank holds the prompt, so every decision's owners are more than a 64th of the slots
+    // and come out of the places in id order once those are built. Between decisions, ranks
+    // join and leave, workers gain a second rank, and ids crowd between two neighbours until
+    // every id is labelled afresh.
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let mut fleet = Fleet::new();
+    let mut live: Vec<String> = Vec::new();
+    let mut used = std::collections::HashSet::new();
+    let fresh_id = |rng: &mut rand_chacha::ChaCha8Rng, used: &mut std::collections::HashSet<_>| loop {
+        let name = format!("w{}", rng.random_range(0..100_000u32));
+        if used.insert(name.clone()) {
+            return name;
+        }
+    };
+    for _ in 0..120 {
+        let name = fresh_id(&mut rng, &mut used);
+        fleet.store(&name, &PROMPT);
+        live.push(name);
+    }
+    let (mut crowded, mut placed) = (String::from("w5"), 0);
+    for round in 0..80 {
+        match round % 4 {
+            0 => {
+                let name = live.swap_remove(rng.random_range(0..live.len()));
+                fleet.lifecycle(&name, LifecycleOp::Leave);
+            }
+            1 => {
+                let name = fresh_id(&mut rng, &mut used);
+                fleet.store(&name, &PROMPT);
+                live.push(name);
+            }
+            2 => {
+                // "w5", "w50", "w500", ...: each sorts just above the one before it, halving
+                // the gap to its upper neighbour.
+                for _ in 0..4 {
+                    crowded.push('0');
+                    if used.insert(crowded.clone()) {
+                        fleet.store(&crowded, &PROMPT);
+                        live.push(crowded.clone());
+                    }
+                }
+            }
+            _ => {
+                let name = &live[rng.random_range(0..live.len())];
+                fleet.batch(
+                    name,
+                    (1, None, None),
+                    vec![chain_event(&PROMPT, Medium::Gpu)],
+                );
+            }
+        }
+        for _ in 0..2 {
+            let d = fleet.route(&PROMPT);
+            let mut expected: Vec<WorkerId> = live.iter().map(|n| id(n)).collect();
+            expected.sort();
+            assert_eq!(
+                d.owners, expected,
+                "round {round}: every live worker is listed once, in id order"
+            );
+            fleet.router.assert_route_rows_follow_workers();
+            placed += usize::from(fleet.router.scratch.owner_places_current());
+        }
+    }
+    assert!(
+        placed > 40,
+        "most decisions put their owners in order by their places ({placed} of 160)"
+    );
+}
