@@ -271,8 +271,8 @@ const PLACES_FROM: usize = 32;
 /// The places wait for their rebuild (a sort of the whole fleet) until the owners sorted since
 /// they went out of date add up to this many times the fleet's slots. A rebuild then costs
 /// about a sixteenth of the sorting before it, and it is one decision's: at 4,096 workers a
-/// rebuild took 30-66 µs, and rebuilt after every fleet's worth of sorted owners, the hundred
-/// rebuilds while the peer bench's workers join lay among its slowest 1% of decisions.
+/// rebuild took up to 76 µs, and rebuilt after every fleet's worth of sorted owners, the hundred
+/// rebuilds while the peer bench's workers join were among its slowest 1% of decisions.
 const REBUILD_AFTER: usize = 16;
 
 /// Buckets per key of [`OwnerOrder::sort`]'s counting pass: fewer keys share one, so fewer are
