@@ -13,8 +13,8 @@
 use super::pools::RankRow;
 use super::*;
 
-/// A decision's owners put in id order, with the sort's buffers: kept between routes, so a wide
-/// decision allocates none. Each owner is its id label (the number that orders ids, read once
+/// A decision's owners put in id order, with the sort's buffers and the fleet's places: kept
+/// between routes, so a wide decision allocates none. Each owner is its id label (the number that orders ids, read once
 /// per owner, where comparing ids reads two of them per step) packed above its slot into one
 /// integer, so the sort compares and moves single words. Slots are distinct, so the order is
 /// that of a stable sort over the owners in slot order.
@@ -61,14 +61,14 @@ impl IdPlaces {
             rows.iter()
                 .enumerate()
                 .filter(|(_, row)| row.is_live())
-                .map(|(slot, row)| u64::from(row.id_order) << 32 | slot as u64),
+                .map(|(slot, row)| key(row.id_order, slot as u32)),
         );
         // Slots are distinct, so the keys are: an unstable sort gives the one order.
         self.order.sort_unstable();
         self.place.resize(rows.len(), 0);
         self.names.clear();
-        for (place, &key) in self.order.iter().enumerate() {
-            let slot = key as u32 as usize;
+        for (place, &packed) in self.order.iter().enumerate() {
+            let slot = low_of(packed);
             self.place[slot] = place as u32;
             self.names.push(names[slot].clone());
         }
@@ -86,7 +86,7 @@ impl OwnerOrder {
     /// Adds an owner: its id label ([`Workers::id_order`](crate::workers::Workers::id_order))
     /// and its slot.
     pub(super) fn push(&mut self, label: u32, slot: Slot) {
-        self.keys.push(u64::from(label) << 32 | u64::from(slot));
+        self.keys.push(key(label, slot));
         let (lowest, highest) = self.labels.unwrap_or((label, label));
         self.labels = Some((lowest.min(label), highest.max(label)));
     }
@@ -111,10 +111,10 @@ impl OwnerOrder {
             self.sort();
             names
         };
-        self.keys.dedup_by_key(|&mut packed| packed >> 32);
+        self.keys.dedup_by_key(|&mut packed| label_of(packed));
         self.keys
             .iter()
-            .map(|&packed| names[packed as u32 as usize].clone().expect("a live rank"))
+            .map(|&packed| names[low_of(packed)].clone().expect("a live rank"))
             .collect()
     }
 
@@ -139,9 +139,12 @@ impl OwnerOrder {
         let bits = &mut self.bits;
         bits.clear();
         bits.resize(places.order.len().div_ceil(64), 0);
-        for &key in &self.keys {
-            let place = places.place[key as u32 as usize] as usize;
-            debug_assert_eq!(places.order[place], key, "an owner's place holds its key");
+        for &packed in &self.keys {
+            let place = places.place[low_of(packed)] as usize;
+            debug_assert_eq!(
+                places.order[place], packed,
+                "an owner's place holds its key"
+            );
             bits[place / 64] |= 1 << (place % 64);
         }
         self.keys.clear();
@@ -149,8 +152,8 @@ impl OwnerOrder {
             let mut set = set;
             while set != 0 {
                 let place = word * 64 + set.trailing_zeros() as usize;
-                let label = places.order[place] >> 32;
-                self.keys.push(label << 32 | place as u64);
+                self.keys
+                    .push(key(label_of(places.order[place]), place as u32));
                 set &= set - 1;
             }
         }
@@ -179,8 +182,8 @@ impl OwnerOrder {
             self.places.names, fresh.names,
             "current places hold each live rank's id at its place"
         );
-        for &key in &fresh.order {
-            let slot = key as u32 as usize;
+        for &packed in &fresh.order {
+            let slot = low_of(packed);
             assert_eq!(
                 self.places.place[slot], fresh.place[slot],
                 "the place of slot {slot} indexes its key"
@@ -204,7 +207,6 @@ impl OwnerOrder {
             keys.sort_unstable();
             return;
         }
-        let label = |k: u64| (k >> 32) as u32;
         let (lowest, highest) = self.labels.expect("labels of the keys pushed");
         // bucket = (label - lowest) * buckets / span, as a multiply and a shift: below
         // `buckets` for every label up to `highest`, and never smaller for a larger label.
@@ -212,7 +214,7 @@ impl OwnerOrder {
         let buckets = (n * BUCKETS_PER_KEY).next_power_of_two().min(1 << 24);
         let span = u64::from(highest - lowest) + 1;
         let scale = ((buckets as u64) << 32) / span;
-        let bucket = |k: u64| ((u64::from(label(k) - lowest) * scale) >> 32) as usize;
+        let bucket = |k: u64| ((u64::from(label_of(k) - lowest) * scale) >> 32) as usize;
         let counts = &mut self.counts;
         counts.clear();
         counts.resize(buckets + 1, 0);
@@ -261,6 +263,21 @@ impl OwnerOrder {
         }
         std::mem::swap(keys, out);
     }
+}
+
+/// An owner's key: its id label above `low`, its slot (or, once put in order by the places,
+/// its place), so that keys order as (label, slot) do.
+fn key(label: u32, low: u32) -> u64 {
+    u64::from(label) << 32 | u64::from(low)
+}
+
+fn label_of(key: u64) -> u32 {
+    (key >> 32) as u32
+}
+
+/// The slot or place under a key's label.
+fn low_of(key: u64) -> usize {
+    key as u32 as usize
 }
 
 /// The fewest owners a decision puts in order by their places; fewer are left to the standard

@@ -151,7 +151,8 @@ impl RankRow {
         self.pressure = pressure.unwrap_or(0.0);
     }
 
-    /// A live row with the id label `id_order`, as a sync leaves it.
+    /// A row of a live rank labelled `id_order`, and nothing else a view reads: what the owner
+    /// order reads of a row (a sync also sets the rank's state, class and load).
     #[cfg(test)]
     pub(super) fn live_labelled(id_order: u32) -> Self {
         RankRow {
