@@ -228,13 +228,14 @@ impl PolicyConfig {
 #[derive(Debug, Clone, Default)]
 pub struct WorkerView {
     /// One candidate is one worker rank: a worker with several data-parallel ranks has a view
-    /// per rank, each with its own ownership, load and reserved work.
+    /// per rank, each with its own ownership, load and reserved work. The slot names the rank
+    /// (its id and rank number are the worker table's), which keeps a view in one 64-byte line:
+    /// a wide decision writes and passes over hundreds of views.
     pub slot: Slot,
     /// The worker's place in id order: ties between workers break by id, and these numbers
     /// compare as the ids do (the ranks of one worker share it). A number, not the id, so a
     /// view borrows nothing and a route keeps its views' buffer from one route to the next.
     pub id_order: u32,
-    pub dp_rank: u32,
     /// A candidate: not draining, not excluded, serving the request's model.
     pub candidate: bool,
     /// Leading blocks of the request it holds consecutively (authoritative or fresh approximate,

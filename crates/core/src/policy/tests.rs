@@ -55,7 +55,6 @@ fn views(workers: &[W]) -> Vec<WorkerView> {
         .map(|(i, w)| WorkerView {
             slot: i as Slot,
             id_order: id_order(&w.id),
-            dp_rank: 0,
             candidate: true,
             depth: w.depth,
             pressure: w.pressure,
@@ -448,5 +447,15 @@ fn an_owner_hold_between_equal_ranks_of_one_worker_takes_the_first_listed() {
     assert_eq!(
         choice.slot, 2,
         "of two equal ranks of the lowest id, the one listed first is held"
+    );
+}
+
+#[test]
+fn a_worker_view_fits_one_cache_line() {
+    assert!(
+        std::mem::size_of::<WorkerView>() <= 64,
+        "a view is at most one 64-byte line ({} bytes): a wide decision writes and passes over \
+         hundreds of them",
+        std::mem::size_of::<WorkerView>()
     );
 }

@@ -120,7 +120,6 @@ impl Router {
         };
         view.slot = slot;
         view.id_order = row.id_order;
-        view.dp_rank = row.dp_rank;
         view.candidate = row.is_active() && excluded.binary_search(&slot).is_err() && serves();
         view.depth = depth;
         view.host_depth = host_depth;
@@ -364,12 +363,9 @@ impl Router {
         let chosen = view_of(choice.slot);
         let slot = chosen.slot;
         let worker_id = id_of(slot);
-        let rank = chosen.dp_rank;
-        let dp_rank = self
-            .state
-            .workers
-            .multi_rank(slot)
-            .then_some(chosen.dp_rank);
+        // The rank number from the rank's row: a view carries the slot alone.
+        let rank = scratch.row(slot).expect("a viewed rank is live").dp_rank;
+        let dp_rank = self.state.workers.multi_rank(slot).then_some(rank);
         // The chosen rank's own depth: a spill to a non-owner reuses nothing.
         let matched_blocks = chosen.depth;
         let held_tokens = u64::from(chosen.depth).saturating_mul(u64::from(block_size));
@@ -391,7 +387,7 @@ impl Router {
                         .expect("viewed worker exists");
                     ExplainRow {
                         worker: w.id.clone(),
-                        dp_rank: self.state.workers.multi_rank(v.slot).then_some(v.dp_rank),
+                        dp_rank: self.state.workers.multi_rank(v.slot).then_some(w.dp_rank),
                         candidate: v.candidate,
                         state: w.state,
                         depth: v.depth,
