@@ -14,10 +14,10 @@ use super::pools::RankRow;
 use super::*;
 
 /// A decision's owners put in id order, with the sort's buffers and the fleet's places: kept
-/// between routes, so a wide decision allocates none. Each owner is its id label (the number that orders ids, read once
-/// per owner, where comparing ids reads two of them per step) packed above its slot into one
-/// integer, so the sort compares and moves single words. Slots are distinct, so the order is
-/// that of a stable sort over the owners in slot order.
+/// between routes, so a wide decision allocates none. Each owner is its id label (the number
+/// that orders ids, read once per owner, where comparing ids reads two of them per step) packed
+/// above its slot into one integer, so the sort compares and moves single words. Slots are
+/// distinct, so the order is that of a stable sort over the owners in slot order.
 #[derive(Debug, Default)]
 pub(super) struct OwnerOrder {
     /// The keys: label in the high 32 bits, slot in the low.

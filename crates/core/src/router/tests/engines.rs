@@ -645,9 +645,8 @@ fn hundreds_of_owners_are_listed_in_id_order_once_per_worker() {
 fn wide_owner_lists_stay_in_id_order_as_ranks_join_leave_and_are_relabelled() {
     // Every rank holds the prompt, so every decision's owners are more than a 64th of the slots
     // and come out of the places in id order once those are built (after sixteen fleets' worth
-    // of sorted owners). Between decisions, ranks
-    // join and leave, workers gain a second rank, and ids crowd between two neighbours until
-    // every id is labelled afresh.
+    // of sorted owners). Between decisions, ranks join and leave, workers gain a second rank, and
+    // ids crowd between two neighbours until every id is labelled afresh.
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
     let mut fleet = Fleet::new();
