@@ -225,7 +225,12 @@ impl PolicyConfig {
 }
 
 /// What the policy knows about one known worker for one request.
+///
+/// Aligned to its 64 bytes, so each view of a buffer is one cache line: at the allocator's
+/// 16-byte alignment three buffers in four put every view across two lines, and a decision's
+/// writes and passes touched both (the median decision at 256 workers 3-12% slower).
 #[derive(Debug, Clone, Default)]
+#[repr(align(64))]
 pub struct WorkerView {
     /// One candidate is one worker rank: a worker with several data-parallel ranks has a view
     /// per rank, each with its own ownership, load and reserved work. The slot names the rank

@@ -452,10 +452,13 @@ fn an_owner_hold_between_equal_ranks_of_one_worker_takes_the_first_listed() {
 
 #[test]
 fn a_worker_view_fits_one_cache_line() {
-    assert!(
-        std::mem::size_of::<WorkerView>() <= 64,
-        "a view is at most one 64-byte line ({} bytes): a wide decision writes and passes over \
-         hundreds of them",
-        std::mem::size_of::<WorkerView>()
+    assert_eq!(
+        (
+            std::mem::size_of::<WorkerView>(),
+            std::mem::align_of::<WorkerView>()
+        ),
+        (64, 64),
+        "a view is one 64-byte line, aligned to it (size, alignment): a wide decision writes and \
+         passes over hundreds of them, and a view across two lines costs both"
     );
 }
