@@ -226,9 +226,9 @@ impl PolicyConfig {
 
 /// What the policy knows about one known worker for one request.
 ///
-/// Aligned to its 64 bytes, so each view of a buffer is one cache line: at the allocator's
-/// 16-byte alignment three buffers in four put every view across two lines, and a decision's
-/// writes and passes touched both (the median decision at 256 workers 3-12% slower).
+/// Aligned to its 64 bytes, so each view is one cache line: from a buffer not starting on a line
+/// (the allocator aligns to 16 bytes) every view lay across two, and a decision's writes and
+/// passes touched both (up to 12% on the median decision at 256 workers, docs/performance.md).
 #[derive(Debug, Clone, Default)]
 #[repr(align(64))]
 pub struct WorkerView {
