@@ -360,15 +360,15 @@ impl Router {
             return None;
         };
         let id_of = |slot: Slot| scratch.name(slot).clone();
-        // The chosen rank's row and depths, read once: its rank number (a view carries the slot
-        // alone) and its own depth (a spill to a non-owner reuses nothing).
-        let chosen = rank_of(choice.slot);
+        let chosen = view_of(choice.slot);
         let slot = chosen.slot;
         let worker_id = id_of(slot);
-        let rank = chosen.row.dp_rank;
+        // The rank number from the rank's row: a view carries the slot alone.
+        let rank = scratch.row(slot).expect("a viewed rank is live").dp_rank;
         let dp_rank = self.state.workers.multi_rank(slot).then_some(rank);
-        let matched_blocks = chosen.depths.0;
-        let held_tokens = u64::from(matched_blocks).saturating_mul(u64::from(block_size));
+        // The chosen rank's own depth: a spill to a non-owner reuses nothing.
+        let matched_blocks = chosen.depth;
+        let held_tokens = u64::from(chosen.depth).saturating_mul(u64::from(block_size));
         // In id order, each worker once (its ranks share the id): see `OwnerOrder`.
         choice
             .known_owners
