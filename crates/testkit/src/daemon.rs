@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tempfile::TempDir;
 
-use crate::poll::{eventually, eventually_within, poll_until, DEADLINE};
+use crate::poll::{eventually, eventually_within_explained, poll_until, DEADLINE};
 use crate::ports::free_port;
 use crate::processes::Process;
 use crate::worker::Worker;
@@ -470,12 +470,29 @@ impl Daemon {
     }
 
     /// [`wait_blocks`](Self::wait_blocks) with a deadline of the caller's (see
-    /// [`eventually_within`]).
+    /// [`eventually_within`](crate::poll::eventually_within)). Running out, it reports the
+    /// count it saw last and the daemon's log: a replica that never catches up after a failover
+    /// says what its feeds did.
     pub async fn wait_blocks_within(&self, id: &str, blocks: u64, deadline: Duration) {
         let what = format!("{id} owns {blocks} blocks on the daemon at {}", self.http);
-        eventually_within(deadline, &what, || async {
-            (self.worker(id).await?["blocks"].as_u64()? == blocks).then_some(())
-        })
+        let seen = std::sync::Mutex::new(None);
+        let seen = &seen;
+        eventually_within_explained(
+            deadline,
+            &what,
+            || async move {
+                let owned = self.worker(id).await?["blocks"].as_u64()?;
+                *seen.lock().unwrap() = Some(owned);
+                (owned == blocks).then_some(())
+            },
+            || {
+                format!(
+                    "; it owned {:?} blocks when last asked; log:\n{}",
+                    seen.lock().unwrap(),
+                    self.log_text()
+                )
+            },
+        )
         .await
     }
 

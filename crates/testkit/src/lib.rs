@@ -17,7 +17,8 @@
 //! - [`worker`]: [`Worker`], a simulated vLLM worker publishing on NATS; [`prompt`];
 //!   [`OwnerAndOther`], the two-worker fleet most daemon tests start from.
 //! - [`poll`]: [`eventually`], its blocking twin [`poll_until`], and the [`DEADLINE`] every
-//!   wait shares unless it says why not ([`eventually_within`]).
+//!   wait shares unless it says why not ([`eventually_within`]; [`eventually_within_explained`]
+//!   also says why a wait ran out).
 //! - [`watchdog`]: a benchmark's time limit, which kills every [`Watched`] process and exits.
 //! - [`engine`]: [`engine::TestEngine`], a ZeroMQ publisher that frames, numbers, buffers and
 //!   replays KV events exactly as vLLM's and SGLang's `ZmqEventPublisher` do (feature `engine`).
@@ -51,7 +52,7 @@ pub use daemon::{
 #[cfg(feature = "processes")]
 pub use nats::{Nats, NatsCluster};
 #[cfg(feature = "processes")]
-pub use poll::{eventually, eventually_within, poll_until, DEADLINE};
+pub use poll::{eventually, eventually_within, eventually_within_explained, poll_until, DEADLINE};
 pub use ports::free_port;
 #[cfg(feature = "processes")]
 pub use processes::{clk_tck, cpu_ticks, nats_server_bin, resident_mib, wait_for_port, Process};

@@ -18,7 +18,23 @@ where
 
 /// [`eventually`] with a deadline of its own, for a wait that the test knows to be longer than
 /// usual (one that spans a broker's failover, say); the caller's constant says why.
-pub async fn eventually_within<T, F, Fut>(deadline: Duration, what: &str, mut check: F) -> T
+pub async fn eventually_within<T, F, Fut>(deadline: Duration, what: &str, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    eventually_within_explained(deadline, what, check, String::new).await
+}
+
+/// [`eventually_within`] whose panic at the deadline ends with `explain()`: what the wait saw
+/// last and whatever else says why it never came (a daemon's log), so a wait that runs out in
+/// CI, where nothing can be looked at afterwards, reports its cause.
+pub async fn eventually_within_explained<T, F, Fut>(
+    deadline: Duration,
+    what: &str,
+    mut check: F,
+    explain: impl FnOnce() -> String,
+) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -28,10 +44,12 @@ where
         if let Some(v) = check().await {
             return v;
         }
-        assert!(
-            start.elapsed() < deadline,
-            "timed out after {deadline:?} waiting for: {what}"
-        );
+        if start.elapsed() >= deadline {
+            panic!(
+                "timed out after {deadline:?} waiting for: {what}{}",
+                explain()
+            );
+        }
         tokio::time::sleep(POLL_EVERY).await;
     }
 }
@@ -75,6 +93,27 @@ mod tests {
         assert!(
             start.elapsed() >= Duration::from_millis(100),
             "None comes only once the deadline has passed"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_wait_that_runs_out_ends_its_panic_with_what_explains_it() {
+        let wait = tokio::spawn(eventually_within_explained(
+            Duration::from_millis(50),
+            "an answer that never comes",
+            || async { None::<()> },
+            || "; it saw nothing; log: the feed stopped".to_string(),
+        ));
+        let panic = wait
+            .await
+            .expect_err("a wait whose check never answers panics at its deadline")
+            .into_panic();
+        let message = panic.downcast_ref::<String>().expect("a formatted message");
+        assert!(
+            message.ends_with(
+                "waiting for: an answer that never comes; it saw nothing; log: the feed stopped"
+            ),
+            "the panic names the wait, then what explains it: {message}"
         );
     }
 }
