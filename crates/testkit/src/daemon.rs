@@ -486,11 +486,11 @@ impl Daemon {
                 (owned == blocks).then_some(())
             },
             || {
-                format!(
-                    "; it owned {:?} blocks when last asked; log:\n{}",
-                    seen.lock().unwrap(),
-                    self.log_text()
-                )
+                let seen = match *seen.lock().unwrap() {
+                    Some(owned) => format!("it owned {owned} blocks when last asked"),
+                    None => "it never listed the worker's blocks".to_string(),
+                };
+                format!("; {seen}; log:\n{}", self.log_text())
             },
         )
         .await
