@@ -214,7 +214,10 @@ impl BurstPublisher {
         }
     }
 
-    /// Stores every block of `tokens` in one batch; returns once the stream has acked it.
+    /// Stores every block of `tokens` in one batch; returns once the stream has acked it. The
+    /// batch after a server's loss is acked only once the stream has a new leader, so the wait is
+    /// a failover's ([`FAILOVER`]): with the default 20 s, one run in 25 beside a busy loop ran
+    /// out on the batch published just after the loss.
     async fn store(&mut self, tokens: &[u32]) {
         self.seq += 1;
         let blocks = tokens.len() / 16;
@@ -228,7 +231,7 @@ impl BurstPublisher {
         .into();
         let subject = format!("kv.events.{}", self.id);
         let seq = self.seq.to_string();
-        eventually(&format!("the cluster acks batch {seq}"), || {
+        eventually_within(FAILOVER, &format!("the cluster acks batch {seq}"), || {
             let (js, subject, payload) = (self.js.clone(), subject.clone(), payload.clone());
             let mut headers = async_nats::HeaderMap::new();
             headers.insert("Kv-Seq", seq.as_str());
