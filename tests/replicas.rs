@@ -115,7 +115,7 @@ async fn replicas_on_a_cluster_agree_on_owners_coalesce_spills_and_release_each_
     load_everywhere(&hot, 0.99, &replicas).await;
     load_everywhere(&spare, 0.3, &replicas).await;
 
-    let mut before = BTreeMap::new();
+    let mut first_decision = None;
     for replica in replicas {
         let body = route(replica, &first).await;
         assert_eq!(
@@ -123,14 +123,15 @@ async fn replicas_on_a_cluster_agree_on_owners_coalesce_spills_and_release_each_
             ("owner", "owner_hold"),
             "every replica routes a prefix to the owner its KV events name: {body}"
         );
-        if before.is_empty() {
+        if first_decision.is_none() {
             // The first decision anywhere, applied where it was made at once: one route's work.
-            before = replica.reserved_work().await;
+            first_decision = Some(replica.reserved_work().await);
         }
     }
     // Both replicas hold both routes before the release below is counted from them: equal
     // figures alone could be each replica's own route before the other's arrived (seen under
     // load: the release then seemed to give back nothing).
+    let mut before = first_decision.expect("every replica routed");
     let one_route = before["owner"];
     before.insert("owner".to_string(), 2 * one_route);
     reserved_work_reaches(&replicas, &before, DEADLINE).await;
