@@ -7,7 +7,7 @@ mod common;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitStatus;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use common::{
@@ -73,21 +73,13 @@ impl Bridge {
         cmd.args(&self.args);
         self.child = Some(Process::spawn(cmd, &self.log));
         let url = format!("http://{}/healthz", self.http);
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.as_mut().unwrap().exited() {
-                panic!("bridge exited with {status}; log:\n{}", self.log_text());
-            }
-            if self.client.get(&url).send().await.is_ok() {
-                break;
-            }
-            assert!(
-                start.elapsed() < DEADLINE,
-                "bridge did not come up; log:\n{}",
-                self.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let (client, url) = (&self.client, &url);
+        let child = self.child.as_mut().expect("just spawned");
+        child
+            .wait_until_up("the bridge answers /healthz", move || async move {
+                client.get(url).send().await.is_ok()
+            })
+            .await;
     }
 
     fn log_text(&self) -> String {

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use tempfile::TempDir;
@@ -248,28 +248,19 @@ impl Daemon {
     pub async fn restart(&mut self) {
         self.spawn();
         let url = self.url("/readyz");
-        let client = self.client.clone();
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.as_mut().unwrap().exited() {
-                panic!(
-                    "kvrouted exited with {status} at start; log:\n{}",
-                    self.log_text()
-                );
-            }
-            if let Ok(r) = client.get(&url).send().await {
-                let v: Value = r.json().await.unwrap_or(Value::Null);
-                if v["status"] != "recovering" {
-                    break;
+        let (client, url) = (&self.client, &url);
+        let what = format!("kvrouted at {} has recovered its state", self.http);
+        let child = self.child.as_mut().expect("just spawned");
+        child
+            .wait_until_up(&what, move || async move {
+                match client.get(url).send().await {
+                    Ok(r) => {
+                        r.json::<Value>().await.unwrap_or(Value::Null)["status"] != "recovering"
+                    }
+                    Err(_) => false,
                 }
-            }
-            assert!(
-                start.elapsed() < DEADLINE,
-                "kvrouted did not come up; log:\n{}",
-                self.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            })
+            .await;
     }
 
     pub fn log_text(&self) -> String {

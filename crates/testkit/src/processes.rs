@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::poll::poll_until;
+use crate::poll::{eventually_within_explained, poll_until, DEADLINE};
 
 /// How long a started process may take to listen.
 pub(crate) const LISTEN_DEADLINE: Duration = Duration::from_secs(20);
@@ -126,6 +126,34 @@ impl Process {
         assert!(status.success(), "kill -{signal} {pid}");
     }
 
+    /// Waits until `up` answers `true` (asked as [`eventually`](crate::poll::eventually) asks,
+    /// for up to [`DEADLINE`]): a process that exits first fails the wait at once, and either
+    /// failure ends with the process's log, so a start that goes wrong in CI says why.
+    pub async fn wait_until_up<F, Fut>(&mut self, what: &str, mut up: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let Process { child, log } = self;
+        let log_text = || std::fs::read_to_string(&*log).unwrap_or_default();
+        eventually_within_explained(
+            DEADLINE,
+            what,
+            || {
+                if let Some(status) = child.try_wait().unwrap() {
+                    panic!(
+                        "{what}: the process exited with {status}; log:\n{}",
+                        log_text()
+                    );
+                }
+                let answered = up();
+                async move { answered.await.then_some(()) }
+            },
+            || format!("; log:\n{}", log_text()),
+        )
+        .await
+    }
+
     /// SIGTERM, then the exit status if the process exits within `deadline` (`None`: still
     /// running, left to the drop's SIGKILL).
     pub fn terminate_within(&mut self, deadline: Duration) -> Option<std::process::ExitStatus> {
@@ -163,6 +191,35 @@ mod tests {
             resident_mib(pid),
             None,
             "a reaped process has no memory to read"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_process_that_exits_before_it_is_up_fails_the_wait_at_once_with_its_log() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let log = dir.path().join("log");
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", "echo no config; exit 3"]);
+        let mut process = Process::spawn(cmd, &log);
+        let started = std::time::Instant::now();
+        let wait = tokio::spawn(async move {
+            process
+                .wait_until_up("a server that never listens", || async { false })
+                .await
+        });
+        let panic = wait
+            .await
+            .expect_err("a process that exits is never up")
+            .into_panic();
+        let message = panic.downcast_ref::<String>().expect("a formatted message");
+        assert!(
+            message.contains("a server that never listens: the process exited with")
+                && message.ends_with("log:\nno config\n"),
+            "the failure names the wait, the exit and the log: {message}"
+        );
+        assert!(
+            started.elapsed() < DEADLINE,
+            "an exit fails the wait at once, not at the deadline"
         );
     }
 }
