@@ -70,6 +70,21 @@ pub fn poll_until<T>(deadline: Duration, mut check: impl FnMut() -> Option<T>) -
     }
 }
 
+/// The message a future panicked with, run on a task of its own (the tests of the waits'
+/// failures); `why` says why it must panic.
+#[cfg(test)]
+pub(crate) async fn panic_message<F>(future: F, why: &str) -> String
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + std::fmt::Debug + 'static,
+{
+    let panic = tokio::spawn(future).await.expect_err(why).into_panic();
+    match panic.downcast::<String>() {
+        Ok(message) => *message,
+        Err(_) => panic!("{why}, with a formatted message"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,17 +113,17 @@ mod tests {
 
     #[tokio::test]
     async fn a_wait_that_runs_out_ends_its_panic_with_what_explains_it() {
-        let wait = tokio::spawn(eventually_within_explained(
+        let wait = eventually_within_explained(
             Duration::from_millis(50),
             "an answer that never comes",
             || async { None::<()> },
             || "; it saw nothing; log: the feed stopped".to_string(),
-        ));
-        let panic = wait
-            .await
-            .expect_err("a wait whose check never answers panics at its deadline")
-            .into_panic();
-        let message = panic.downcast_ref::<String>().expect("a formatted message");
+        );
+        let message = panic_message(
+            wait,
+            "a wait whose check never answers panics at its deadline",
+        )
+        .await;
         assert!(
             message.ends_with(
                 "waiting for: an answer that never comes; it saw nothing; log: the feed stopped"

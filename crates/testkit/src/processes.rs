@@ -202,16 +202,12 @@ mod tests {
         cmd.args(["-c", "echo no config; exit 3"]);
         let mut process = Process::spawn(cmd, &log);
         let started = std::time::Instant::now();
-        let wait = tokio::spawn(async move {
+        let wait = async move {
             process
                 .wait_until_up("a server that never listens", || async { false })
                 .await
-        });
-        let panic = wait
-            .await
-            .expect_err("a process that exits is never up")
-            .into_panic();
-        let message = panic.downcast_ref::<String>().expect("a formatted message");
+        };
+        let message = crate::poll::panic_message(wait, "a process that exits is never up").await;
         assert!(
             message.contains("a server that never listens: the process exited with")
                 && message.ends_with("log:\nno config\n"),
