@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use common::{
-    eventually, free_port, gpu_blocks_stored, kvrouted_command, metric_at, prompt, Daemon, Nats,
-    Process, DEADLINE,
+    eventually, free_port, gpu_blocks_stored, kvrouted_command, metric_at, prompt, read_log,
+    Daemon, Nats, Process, DEADLINE,
 };
 use futures::StreamExt;
 use kvrouted::wire::{encode_vllm_batch, VllmEvent};
@@ -83,7 +83,7 @@ impl Bridge {
     }
 
     fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        read_log(&self.log)
     }
 
     fn kill9(&mut self) {

@@ -8,7 +8,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 
-use common::{eventually, free_port, run_to_exit, Daemon, Nats};
+use common::{eventually, free_port, read_log, run_to_exit, Daemon, Nats};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -59,8 +59,7 @@ impl DemoProcess {
             async move { status }
         })
         .await;
-        let read = |p: &PathBuf| std::fs::read_to_string(p).unwrap_or_default();
-        (status, read(&self.stdout), read(&self.stderr))
+        (status, read_log(&self.stdout), read_log(&self.stderr))
     }
 }
 

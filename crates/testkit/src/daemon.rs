@@ -11,7 +11,7 @@ use tempfile::TempDir;
 
 use crate::poll::{eventually, eventually_within_explained, poll_until, DEADLINE};
 use crate::ports::free_port;
-use crate::processes::Process;
+use crate::processes::{read_log, Process};
 use crate::worker::Worker;
 
 /// The `kvrouted` binary under test: `$KVROUTED_BIN`, else the one cargo built next to the
@@ -46,16 +46,15 @@ pub fn run_to_exit(mut cmd: Command) -> (ExitStatus, String, String) {
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .expect("start command");
-    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
     let Some(status) = poll_until(DEADLINE, || child.try_wait().unwrap()) else {
         let _ = child.kill();
         let _ = child.wait();
         panic!(
             "{cmd:?} still running after {DEADLINE:?}; stderr:\n{}",
-            read(&err)
+            read_log(&err)
         );
     };
-    (status, read(&out), read(&err))
+    (status, read_log(&out), read_log(&err))
 }
 
 /// `cmd` run on a data dir that holds at most `bytes`, as a full disk does: a tmpfs of that size
@@ -264,7 +263,7 @@ impl Daemon {
     }
 
     pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        read_log(&self.log)
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -55,7 +55,9 @@ pub use nats::{Nats, NatsCluster};
 pub use poll::{eventually, eventually_within, eventually_within_explained, poll_until, DEADLINE};
 pub use ports::free_port;
 #[cfg(feature = "processes")]
-pub use processes::{clk_tck, cpu_ticks, nats_server_bin, resident_mib, wait_for_port, Process};
+pub use processes::{
+    clk_tck, cpu_ticks, nats_server_bin, read_log, resident_mib, wait_for_port, Process,
+};
 #[cfg(feature = "processes")]
 pub use watchdog::{start_watchdog, ProcessHandle, Watched};
 #[cfg(feature = "processes")]

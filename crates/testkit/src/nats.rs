@@ -8,7 +8,7 @@ use tempfile::TempDir;
 
 use crate::poll::{eventually, poll_until};
 use crate::ports::free_port;
-use crate::processes::{nats_server_bin, LISTEN_DEADLINE};
+use crate::processes::{nats_server_bin, read_log, LISTEN_DEADLINE};
 
 /// Starts on fresh ports before giving up. A port picked free can still be taken before the
 /// server binds it by a server another test process started ([`free_port`] keeps ports off the
@@ -109,15 +109,16 @@ impl Nats {
             .stderr(log)
             .spawn()
             .expect("start nats-server");
-        let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
         let port = self.port;
         // Some(Err) when it exits first (its port taken), Some(Ok) once it is ready.
         let outcome = poll_until(LISTEN_DEADLINE, || match child.try_wait().unwrap() {
             Some(status) => Some(Err(format!(
                 "nats-server on port {port} exited ({status}) before it was ready: {}",
-                read_log()
+                read_log(&log_path)
             ))),
-            None => read_log().contains("Server is ready").then_some(Ok(())),
+            None => read_log(&log_path)
+                .contains("Server is ready")
+                .then_some(Ok(())),
         });
         match outcome {
             Some(Ok(())) => {
@@ -130,7 +131,7 @@ impl Nats {
                 let _ = child.wait();
                 panic!(
                     "nats-server on port {port} was not ready within {LISTEN_DEADLINE:?}: {}",
-                    read_log()
+                    read_log(&log_path)
                 );
             }
         }

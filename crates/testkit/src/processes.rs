@@ -75,6 +75,13 @@ pub fn resident_mib(pid: u32) -> Option<(f64, f64)> {
     Some((mib("VmRSS:")?, mib("VmHWM:")?))
 }
 
+/// What a process wrote to a file of its output so far (empty before it wrote anything): the one
+/// reader of a started process's log, stdout or stderr, for a running [`Process`] and for a log
+/// that outlives its process (a daemon's, across restarts).
+pub fn read_log(log: &Path) -> String {
+    std::fs::read_to_string(log).unwrap_or_default()
+}
+
 /// A process a test or benchmark started, its stdout and stderr appended to a log file; killed
 /// (SIGKILL) on drop, so that a failing test leaves nothing running.
 pub struct Process {
@@ -108,7 +115,7 @@ impl Process {
 
     /// What the process wrote so far.
     pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        read_log(&self.log)
     }
 
     /// The exit status, if it has exited.
@@ -134,22 +141,23 @@ impl Process {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = bool>,
     {
-        let Process { child, log } = self;
-        let log_text = || std::fs::read_to_string(&*log).unwrap_or_default();
+        // The check borrows the process to ask whether it exited; the explanation reads the log
+        // from its own copy of the path.
+        let log = self.log.clone();
         eventually_within_explained(
             DEADLINE,
             what,
             || {
-                if let Some(status) = child.try_wait().unwrap() {
+                if let Some(status) = self.exited() {
                     panic!(
                         "{what}: the process exited with {status}; log:\n{}",
-                        log_text()
+                        read_log(&log)
                     );
                 }
                 let answered = up();
                 async move { answered.await.then_some(()) }
             },
-            || format!("; log:\n{}", log_text()),
+            || format!("; log:\n{}", read_log(&log)),
         )
         .await
     }
