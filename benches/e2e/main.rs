@@ -30,7 +30,9 @@
 //!    that also parses the JSON body with serde_json (`floor+parse`). The three take turns
 //!    in short rounds so that other load on the machine lands on all of them alike. Then the
 //!    same prompts as `block_keys` (what a gateway that hashes tokens itself sends) at
-//!    concurrency 1, against the same floors with the same bodies.
+//!    concurrency 1, against the same floors with the same bodies. Each reports kvrouted's
+//!    decisions by label, as the routes phase does: what a route costs the daemon depends on
+//!    the owners and pressure the phases before left it.
 //! 5. **combined**: publishers and 1k–32k routes at once.
 //!
 //! Each mode ends with the round's end-to-end goals, met or missed ([`goals`]), and stops the

@@ -47,6 +47,8 @@ pub(crate) async fn paired_4k(
     let (mut handler_sum, mut handler_count, mut daemon_ticks, mut daemon_secs) =
         (0.0, 0.0, 0u64, 0.0);
     let metrics_client = reqwest::Client::new();
+    // Only kvrouted's turns reach the daemon, so its counters across all the rounds are its own.
+    let before = counters(&metrics_client, targets.daemon).await;
     for _ in 0..PAIRED_ROUNDS {
         for (i, url) in urls.iter().enumerate() {
             let (c0, cpu0) = if i == 0 {
@@ -69,6 +71,9 @@ pub(crate) async fn paired_4k(
             raws[i].add(raw);
         }
     }
+    let decisions = counters(&metrics_client, targets.daemon)
+        .await
+        .decisions_since(&before);
     let loads: Vec<Load> = raws.into_iter().map(Raw::summary).collect();
     let handler_mean = 1e6 * handler_sum / handler_count.max(1.0);
     let daemon_cores = daemon_ticks as f64 / tck / daemon_secs.max(1e-9);
@@ -85,7 +90,7 @@ pub(crate) async fn paired_4k(
     let share = |route: f64, floor: f64| 100.0 * (1.0 - floor / route);
     let (route, bare, parse) = (&loads[0], &loads[1], &loads[2]);
     report.line(format!(
-        "    daemon handler mean {handler_mean:.1} µs; daemon {daemon_cores:.2} cores while serving. kvrouted's own share of the route: {:.0}% at p50, {:.0}% of the mean; beyond parsing the JSON body: {:.0}% at p50",
+        "    daemon handler mean {handler_mean:.1} µs; daemon {daemon_cores:.2} cores while serving. kvrouted's own share of the route: {:.0}% at p50, {:.0}% of the mean; beyond parsing the JSON body: {:.0}% at p50; decisions: {decisions}",
         share(route.p50_us, bare.p50_us),
         share(route.mean_us, bare.mean_us),
         share(route.p50_us, parse.p50_us),
