@@ -17,7 +17,7 @@ use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use smallvec::{smallvec, SmallVec};
 
-use super::key_table::KeyTable;
+use super::key_table::{ahead, KeyTable, PREFETCH_AHEAD};
 use super::slab::Slab;
 use super::{NsId, Slot};
 
@@ -222,7 +222,13 @@ impl ApproxIndex {
             self.blocks.resize_with(ns_idx + 1, ApproxMap::default);
         }
         let blocks = &mut self.blocks[ns_idx];
-        for &key in keys {
+        // Each key is a random bucket of a table that outgrows the caches (the default bound is
+        // millions of records), so its entry is asked for a few keys ahead of its upsert, as a
+        // stored batch's are: the misses of a long prompt overlap instead of queueing.
+        for (i, &key) in keys.iter().enumerate() {
+            for &next in ahead(keys, i) {
+                blocks.table.prefetch(next);
+            }
             if blocks.upsert(key, slot, expires_ms) {
                 self.queue.push_back((expires_ms, ns, key, slot));
             }
@@ -232,9 +238,29 @@ impl ApproxIndex {
         // at most as many as it has keys; past that, the front record goes whatever its expiry.
         // A route's work under the lock stays in proportion to its prompt.
         let mut requeues = keys.len();
+        let mut popped = 0;
         while self.queue.len() > self.max_records {
+            // The front records are as random as the keys: their entries too are asked for
+            // ahead of their removal.
+            self.prefetch_queued(popped);
+            popped += 1;
             if self.pop_front(requeues > 0) {
                 requeues -= 1;
+            }
+        }
+    }
+
+    /// Asks for the table entries of the queue's records a pass of pops reaches next: the
+    /// first few at its start (`popped` 0), then the one that far past the front.
+    fn prefetch_queued(&self, popped: usize) {
+        let range = if popped == 0 {
+            0..=PREFETCH_AHEAD
+        } else {
+            PREFETCH_AHEAD..=PREFETCH_AHEAD
+        };
+        for at in range {
+            if let Some(&(_, ns, key, _)) = self.queue.get(at) {
+                self.blocks[ns as usize].table.prefetch_run(key);
             }
         }
     }

@@ -56,7 +56,7 @@ const BUCKETS_PER_LINE: usize = 64 / std::mem::size_of::<(u64, u64)>();
 /// against 260–480 MiB on the Xeons of earlier rounds), each probe waits on memory, and four
 /// keys ahead did not cover it (docs/performance.md, Round 5, sixteenth part: the decision's
 /// p99 at 256 workers 8.8 → 7.2 µs, alternated; on the Xeons the two were alike).
-const PREFETCH_AHEAD: usize = 8;
+pub(super) const PREFETCH_AHEAD: usize = 8;
 
 /// What a pass over `items` asks the CPU to start loading at position `i`: the first
 /// [`PREFETCH_AHEAD`] and the next at the start, then the item [`PREFETCH_AHEAD`] ahead. Each
