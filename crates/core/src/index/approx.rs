@@ -237,39 +237,41 @@ impl ApproxIndex {
         // upgrade, a snapshot's queue holds millions of stale entries), so one call sends back
         // at most as many as it has keys; past that, the front record goes whatever its expiry.
         // A route's work under the lock stays in proportion to its prompt.
-        let mut requeues = keys.len();
-        let mut popped = 0;
-        while self.queue.len() > self.max_records {
-            // The front records are as random as the keys: their entries too are asked for
-            // ahead of their removal.
-            self.prefetch_queued(popped);
-            popped += 1;
+        self.pop_front_while(keys.len(), |index| index.queue.len() > index.max_records);
+    }
+
+    /// Drops the records that expired at or before `now_ms`, as their entries reach the front
+    /// (one behind a requeued entry waits for it; see `queue`).
+    pub fn expire(&mut self, now_ms: u64) {
+        // No bound on requeues: every refreshed record goes back under its new expiry.
+        self.pop_front_while(usize::MAX, |index| {
+            index.queue.front().is_some_and(|&(exp, ..)| exp <= now_ms)
+        });
+    }
+
+    /// Pops front entries ([`pop_front`](Self::pop_front)) while `more` holds, letting at most
+    /// `requeues` of them go to the back. The front records are as random as a route's keys, so
+    /// their table entries are asked for ahead of their removal: the first few before the pops
+    /// start (only when some will: under the bound a route drops nothing), then each pop the one
+    /// that far past the front.
+    fn pop_front_while(&mut self, mut requeues: usize, more: impl Fn(&Self) -> bool) {
+        if more(self) {
+            for at in 0..PREFETCH_AHEAD {
+                self.prefetch_queued(at);
+            }
+        }
+        while more(self) {
+            self.prefetch_queued(PREFETCH_AHEAD);
             if self.pop_front(requeues > 0) {
                 requeues -= 1;
             }
         }
     }
 
-    /// Asks for the table entries of the queue's records a pass of pops reaches next: the
-    /// first few at its start (`popped` 0), then the one that far past the front.
-    fn prefetch_queued(&self, popped: usize) {
-        let range = if popped == 0 {
-            0..=PREFETCH_AHEAD
-        } else {
-            PREFETCH_AHEAD..=PREFETCH_AHEAD
-        };
-        for at in range {
-            if let Some(&(_, ns, key, _)) = self.queue.get(at) {
-                self.blocks[ns as usize].table.prefetch_run(key);
-            }
-        }
-    }
-
-    /// Drops the records that expired at or before `now_ms`, as their entries reach the front
-    /// (one behind a requeued entry waits for it; see `queue`).
-    pub fn expire(&mut self, now_ms: u64) {
-        while self.queue.front().is_some_and(|&(exp, ..)| exp <= now_ms) {
-            self.pop_front(true);
+    /// Asks for the table entry of the queue's record `at` places from the front, if any.
+    fn prefetch_queued(&self, at: usize) {
+        if let Some(&(_, ns, key, _)) = self.queue.get(at) {
+            self.blocks[ns as usize].table.prefetch_run(key);
         }
     }
 
