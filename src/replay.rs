@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
@@ -29,6 +30,12 @@ pub struct ReplayStats {
     /// Decisions whose worker or label differs from the recorded one.
     pub changed: u64,
     pub first_divergence: Option<Divergence>,
+    /// Route inputs applied, and the time the core took to apply them: what a journal's
+    /// routes cost the router alone, without HTTP, parsing or the journal's own writes.
+    pub routes: u64,
+    pub routes_apply: Duration,
+    /// The time the core took to apply every other input (KV events, load samples, ...).
+    pub others_apply: Duration,
 }
 
 /// Replays `entries` onto `snapshot` (or an empty router). Every `Configure` input passes
@@ -63,7 +70,16 @@ pub fn replay(
             at_ms: entry.at_ms,
             input: entry.input,
         };
+        let is_route = matches!(stamped.input, Input::Route(_));
+        let started = Instant::now();
         let output = router.apply(&stamped);
+        let took = started.elapsed();
+        if is_route {
+            stats.routes += 1;
+            stats.routes_apply += took;
+        } else {
+            stats.others_apply += took;
+        }
         entry.input = stamped.input;
         stats.entries += 1;
         if let (Some(recorded), Some(replayed)) = (&entry.outcome, RouteOutcome::of(&output)) {
@@ -173,6 +189,17 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     println!(
         "replayed {} entries: {} decisions, {} changed ({pct:.2}%)",
         stats.entries, stats.decisions, stats.changed
+    );
+    let each_us = |took: Duration, n: u64| 1e6 * took.as_secs_f64() / n.max(1) as f64;
+    let others = stats.entries - stats.routes;
+    println!(
+        "applying them took the core {:.2} s: {} routes in {:.2} s ({:.1} µs each), {others} other inputs in {:.2} s ({:.1} µs each)",
+        (stats.routes_apply + stats.others_apply).as_secs_f64(),
+        stats.routes,
+        stats.routes_apply.as_secs_f64(),
+        each_us(stats.routes_apply, stats.routes),
+        stats.others_apply.as_secs_f64(),
+        each_us(stats.others_apply, others),
     );
     if let Some(d) = &stats.first_divergence {
         println!(
