@@ -8,7 +8,8 @@
 //! `--duration DURATION` (each phase, with its unit, default `8s`), `--publishers N` (NATS
 //! connections, default 4), `--workers-per-publisher N` (default 4), `--concurrency N` (HTTP
 //! requests in flight, default 16), `--window N` (unacknowledged JetStream publishes per
-//! connection, default 256), `--modes jetstream,core`, `--max-seconds N` (default 600). Needs
+//! connection, default 256), `--modes jetstream,core`, `--max-seconds N` (default 600),
+//! `--keep-data DIR` (each mode's data dir with its whole journal, for `kvrouted replay`). Needs
 //! `nats-server` on the PATH, in /usr/sbin, or at `NATS_SERVER_BIN`. `KVROUTED_BIN` runs another
 //! build of the daemon (for an A/B comparison), as for the tests.
 //!

@@ -115,7 +115,7 @@ pub(crate) async fn run_mode(
     };
 
     // 2. Ingest into the daemon.
-    let (mut daemon, http) = start_daemon(dir.path(), &nats_url, mode).await;
+    let (mut daemon, http) = start_daemon(dir.path(), &nats_url, mode, o.keep_data.is_some()).await;
     if mode == Mode::Core {
         // Core NATS readiness does not wait for the subscriptions to reach the server.
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -321,4 +321,21 @@ pub(crate) async fn run_mode(
     }
     drop(daemon);
     drop(nats);
+    if let Some(keep) = &o.keep_data {
+        let to = keep.join(mode.name());
+        assert!(!to.exists(), "--keep-data: {} exists already", to.display());
+        std::fs::create_dir_all(keep).unwrap();
+        let copied = Command::new("cp")
+            .arg("-a")
+            .arg(dir.path())
+            .arg(&to)
+            .status()
+            .unwrap();
+        assert!(copied.success(), "copying the data dir to {}", to.display());
+        report.line(format!(
+            "kept the daemon's data dir and log in {} (`kvrouted replay --data-dir {}`)",
+            to.display(),
+            to.join("data").display()
+        ));
+    }
 }

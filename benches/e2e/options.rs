@@ -27,6 +27,11 @@ pub(crate) struct Options {
     /// NATS modes to run, in order
     #[arg(long, value_delimiter = ',', default_value = "jetstream,core")]
     pub(crate) modes: Vec<Mode>,
+    /// Keep each mode's daemon data dir and log in DIR/<mode> (DIR must not hold one yet), with
+    /// the whole run's journal: `kvrouted replay --data-dir DIR/<mode>/data` then re-derives
+    /// every decision of the run and times what the core alone took to apply its routes
+    #[arg(long, value_name = "DIR")]
+    pub(crate) keep_data: Option<PathBuf>,
     /// The watchdog kills everything started and exits after this many seconds
     #[arg(long, default_value_t = 600)]
     pub(crate) max_seconds: u64,

@@ -41,7 +41,14 @@ impl Proc {
     }
 }
 
-pub(crate) async fn start_daemon(dir: &Path, nats_url: &str, mode: Mode) -> (Proc, SocketAddr) {
+/// Starts the daemon on `dir`; `keep_journal` lifts the journal's size bound, so the run's
+/// whole journal stays for a replay (`--keep-data`).
+pub(crate) async fn start_daemon(
+    dir: &Path,
+    nats_url: &str,
+    mode: Mode,
+    keep_journal: bool,
+) -> (Proc, SocketAddr) {
     let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
     // `KVROUTED_BIN` measures another build of the daemon (an A/B comparison) with this bench,
     // as it runs the tests and the attacks bench against one.
@@ -57,6 +64,9 @@ pub(crate) async fn start_daemon(dir: &Path, nats_url: &str, mode: Mode) -> (Pro
         .env("RUST_LOG", "warn");
     if mode == Mode::Core {
         cmd.arg("--no-jetstream");
+    }
+    if keep_journal {
+        cmd.args(["--journal-max-bytes", &u64::MAX.to_string()]);
     }
     let mut proc = Proc::spawn(cmd, dir.join("kvrouted.log"));
     let client = reqwest::Client::new();
