@@ -79,11 +79,33 @@ fn replay_report(stdout: &str) -> ReplayReport {
         w.parse()
             .unwrap_or_else(|_| panic!("{w:?} in {line:?} is a count"))
     };
-    ReplayReport {
+    let report = ReplayReport {
         entries: num(words[1]),
         decisions: num(words[3]),
         changed: num(words[5]),
-    }
+    };
+    // applying them took the core T s: R routes in T s (U µs each), O other inputs in T s (U µs each)
+    let timing = stdout
+        .lines()
+        .find(|l| l.starts_with("applying them took the core "))
+        .unwrap_or_else(|| panic!("replay reports what applying took; stdout:\n{stdout}"));
+    let words: Vec<&str> = timing.split_whitespace().collect();
+    assert_eq!(
+        (words[8], words[16], words[17]),
+        ("routes", "other", "inputs"),
+        "timing line format: {timing}"
+    );
+    let (routes, others) = (num(words[7]), num(words[15]));
+    assert_eq!(
+        routes + others,
+        report.entries,
+        "the timing line accounts for every replayed entry: {timing}"
+    );
+    assert_eq!(
+        routes, report.decisions,
+        "every replayed route is a decision the report counts: {timing}"
+    );
+    report
 }
 
 /// The seq named by `first divergence at seq S: ...`, if printed.
