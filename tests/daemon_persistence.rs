@@ -59,12 +59,23 @@ struct ReplayReport {
     changed: u64,
 }
 
-fn replay_report(stdout: &str) -> ReplayReport {
+/// The line of `kvrouted replay`'s output that starts with `start`, and its words.
+fn report_line<'a>(stdout: &'a str, start: &str) -> (&'a str, Vec<&'a str>) {
     let line = stdout
         .lines()
-        .find(|l| l.starts_with("replayed "))
-        .unwrap_or_else(|| panic!("replay prints its report line; stdout:\n{stdout}"));
-    let words: Vec<&str> = line.split_whitespace().collect();
+        .find(|l| l.starts_with(start))
+        .unwrap_or_else(|| panic!("replay prints a line starting {start:?}; stdout:\n{stdout}"));
+    (line, line.split_whitespace().collect())
+}
+
+/// A count in a report line.
+fn count(word: &str, line: &str) -> u64 {
+    word.parse()
+        .unwrap_or_else(|_| panic!("{word:?} in {line:?} is a count"))
+}
+
+fn replay_report(stdout: &str) -> ReplayReport {
+    let (line, words) = report_line(stdout, "replayed ");
     // replayed N entries: D decisions, C changed (P%)
     assert_eq!(
         (words[0], words[2], words[4], words[6]),
@@ -75,27 +86,19 @@ fn replay_report(stdout: &str) -> ReplayReport {
         words[7].starts_with('(') && words[7].ends_with("%)"),
         "the report gives the changed share in percent: {line}"
     );
-    let num = |w: &str| -> u64 {
-        w.parse()
-            .unwrap_or_else(|_| panic!("{w:?} in {line:?} is a count"))
-    };
     let report = ReplayReport {
-        entries: num(words[1]),
-        decisions: num(words[3]),
-        changed: num(words[5]),
+        entries: count(words[1], line),
+        decisions: count(words[3], line),
+        changed: count(words[5], line),
     };
     // applying them took the core T s: R routes in T s (U µs each), O other inputs in T s (U µs each)
-    let timing = stdout
-        .lines()
-        .find(|l| l.starts_with("applying them took the core "))
-        .unwrap_or_else(|| panic!("replay reports what applying took; stdout:\n{stdout}"));
-    let words: Vec<&str> = timing.split_whitespace().collect();
+    let (timing, words) = report_line(stdout, "applying them took the core ");
     assert_eq!(
         (words[8], words[16], words[17]),
         ("routes", "other", "inputs"),
         "timing line format: {timing}"
     );
-    let (routes, others) = (num(words[7]), num(words[15]));
+    let (routes, others) = (count(words[7], timing), count(words[15], timing));
     assert_eq!(
         routes + others,
         report.entries,
