@@ -23,7 +23,8 @@ pub struct Divergence {
     pub replayed: RouteOutcome,
 }
 
-#[derive(Debug, Clone, Default, PartialEq)]
+/// What a replay did. Not comparable as a whole: it holds the time applying took.
+#[derive(Debug, Clone, Default)]
 pub struct ReplayStats {
     pub entries: u64,
     pub decisions: u64,

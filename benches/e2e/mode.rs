@@ -23,7 +23,18 @@ pub(crate) async fn run_mode(
 ) {
     let (payloads, mixed, four_k) = (w.payloads.clone(), w.mixed.clone(), w.four_k.clone());
     let four_k_keys = w.four_k_keys.clone();
-    let dir = TempDir::new().unwrap();
+    // With `--keep-data` the daemon writes into the kept dir itself (nothing is copied after
+    // the run), else into a temporary one.
+    let temp = TempDir::new().unwrap();
+    let dir = match &o.keep_data {
+        Some(keep) => {
+            let to = keep.join(mode.name());
+            assert!(!to.exists(), "--keep-data: {} exists already", to.display());
+            std::fs::create_dir_all(&to).unwrap();
+            to
+        }
+        None => temp.path().to_path_buf(),
+    };
     // The test kit's nats-server, which the watchdog kills too.
     let nats = Watched::new(Nats::start());
     let nats_url = nats.url();
@@ -115,7 +126,7 @@ pub(crate) async fn run_mode(
     };
 
     // 2. Ingest into the daemon.
-    let (mut daemon, http) = start_daemon(dir.path(), &nats_url, mode, o.keep_data.is_some()).await;
+    let (mut daemon, http) = start_daemon(&dir, &nats_url, mode, o.keep_data.is_some()).await;
     if mode == Mode::Core {
         // Core NATS readiness does not wait for the subscriptions to reach the server.
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -321,21 +332,11 @@ pub(crate) async fn run_mode(
     }
     drop(daemon);
     drop(nats);
-    if let Some(keep) = &o.keep_data {
-        let to = keep.join(mode.name());
-        assert!(!to.exists(), "--keep-data: {} exists already", to.display());
-        std::fs::create_dir_all(keep).unwrap();
-        let copied = Command::new("cp")
-            .arg("-a")
-            .arg(dir.path())
-            .arg(&to)
-            .status()
-            .unwrap();
-        assert!(copied.success(), "copying the data dir to {}", to.display());
+    if o.keep_data.is_some() {
         report.line(format!(
             "kept the daemon's data dir and log in {} (`kvrouted replay --data-dir {}`)",
-            to.display(),
-            to.join("data").display()
+            dir.display(),
+            dir.join("data").display()
         ));
     }
 }
