@@ -7,9 +7,15 @@
 //!   `session_id`,
 //! - `sglang_0_5_23_map`: SGLang 0.5.23's tagged-map events with `cache_salt`, `lora_name`.
 //!
-//! Run: `cargo bench --bench wire`. Throughput is in blocks.
+//! and parsing a `POST /v1/route` JSON body (`kvrouted::http::route_body::parse`) of 4,096 and
+//! 32,768 token ids below 128,000 (a Llama 3 vocabulary), `compact` as serde_json writes it and
+//! `spaced` as Python's `json.dumps` does (`", "` between values), beside serde_json reading the
+//! same body whole (`_serde_json`, what the e2e bench's `floor+parse` does).
+//!
+//! Run: `cargo bench --bench wire`. Throughput is in blocks, and in token ids for the bodies.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvrouted::http::route_body::{self, RouteBody};
 use kvrouted::input::WorkerId;
 use kvrouted::wire::{decode_kv_batch, encode_vllm_batch, KvHeaders, VllmEvent};
 use rmpv::Value;
@@ -115,5 +121,41 @@ fn decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode);
+/// A route body of `n` token ids below 128,000, with `separator` between them.
+fn route_json(n: u64, separator: &str) -> Vec<u8> {
+    let ids: Vec<String> = (0..n)
+        .map(|t| (t.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) % 128_000)
+        .map(|id| id.to_string())
+        .collect();
+    format!(
+        r#"{{"tokens":[{}],"max_output_tokens":256}}"#,
+        ids.join(separator)
+    )
+    .into_bytes()
+}
+
+fn route_bodies(c: &mut Criterion) {
+    let mut group = c.benchmark_group("route_body_json");
+    for tokens in [4_096u64, 32_768] {
+        group.throughput(Throughput::Elements(tokens));
+        for (layout, separator) in [("compact", ","), ("spaced", ", ")] {
+            let body = route_json(tokens, separator);
+            let parsed = route_body::parse(false, &body).unwrap();
+            assert_eq!(
+                parsed.tokens.map(|t| t.len() as u64),
+                Some(tokens),
+                "{layout}: every token id is read"
+            );
+            group.bench_function(format!("{tokens}_{layout}"), |b| {
+                b.iter(|| route_body::parse(false, std::hint::black_box(&body)).unwrap())
+            });
+            group.bench_function(format!("{tokens}_{layout}_serde_json"), |b| {
+                b.iter(|| serde_json::from_slice::<RouteBody>(std::hint::black_box(&body)).unwrap())
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode, route_bodies);
 criterion_main!(benches);
