@@ -122,11 +122,12 @@ fn value_end(b: &[u8], i: usize) -> Option<usize> {
 /// `None` for anything else.
 ///
 /// On x86-64, values are read a 64-byte window at a time ([`window::read`]): the window's bytes
-/// are classified 16 at a time, and its commas say where each value ends, so no value's read
-/// waits on the digit count of the one before (`cargo bench --bench wire -- route_body`). A
-/// value the window cannot vouch for (whitespace other than one space after a comma, a long
-/// number, the last value, the body's last bytes) is read on its own ([`one_value`]), which
-/// also rejects what is not a plain `u32`.
+/// are classified 16 at a time and its commas say where each value ends, so a value costs
+/// little beyond its digits' arithmetic; one value after another, each found its own digit
+/// count and delimiter first (`cargo bench --bench wire -- route_body`). A value the window
+/// cannot vouch for (whitespace other than one space after a comma, a long number, the last
+/// value, the body's last bytes) is read on its own ([`one_value`]), which also rejects what
+/// is not a plain `u32`.
 fn scan_u32_array(b: &[u8], start: usize) -> Option<(Vec<u32>, usize)> {
     if b.get(start) != Some(&b'[') {
         return None;
@@ -177,8 +178,8 @@ mod window {
             classes.digits | classes.commas | (classes.spaces & ((classes.commas << 1) | 1));
         let clean = (!allowed).trailing_zeros();
         let mut commas = classes.commas & low_bits(clean);
-        // Values gathered here and appended at once: the loop then keeps its state in
-        // registers. Each value takes at least two bytes, a digit and its comma.
+        // Values gathered here and appended at once, so the loop checks no vector's capacity.
+        // Each value takes at least two bytes, a digit and its comma.
         let mut values = [0u32; WINDOW / 2];
         let mut found = 0;
         // Where the next value starts, from `i`.
