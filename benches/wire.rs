@@ -8,9 +8,10 @@
 //! - `sglang_0_5_23_map`: SGLang 0.5.23's tagged-map events with `cache_salt`, `lora_name`.
 //!
 //! and parsing a `POST /v1/route` JSON body (`kvrouted::http::route_body::parse`) of 4,096 and
-//! 32,768 token ids below 128,000 (a Llama 3 vocabulary), `compact` as serde_json writes it and
-//! `spaced` as Python's `json.dumps` does (`", "` between values), beside serde_json reading the
-//! same body whole (`_serde_json`, what the e2e bench's `floor+parse` does).
+//! 32,768 token ids below 128,000 (a Llama 3 vocabulary), `compact` as serde_json writes it,
+//! `spaced` as Python's `json.dumps` does (`", "` between values) and `lines` as an indenting
+//! writer does (a value per line), beside serde_json reading the same body whole (`_serde_json`,
+//! what the e2e bench's `floor+parse` does).
 //!
 //! Run: `cargo bench --bench wire`. Throughput is in blocks, and in token ids for the bodies.
 
@@ -138,7 +139,7 @@ fn route_bodies(c: &mut Criterion) {
     let mut group = c.benchmark_group("route_body_json");
     for tokens in [4_096u64, 32_768] {
         group.throughput(Throughput::Elements(tokens));
-        for (layout, separator) in [("compact", ","), ("spaced", ", ")] {
+        for (layout, separator) in [("compact", ","), ("spaced", ", "), ("lines", ",\n  ")] {
             let body = route_json(tokens, separator);
             let parsed = route_body::parse(false, &body).unwrap();
             assert_eq!(
