@@ -143,10 +143,7 @@ fn scan_u32_array(b: &[u8], start: usize) -> Option<(Vec<u32>, usize)> {
         while let Some(next) = window::read(b, i, &mut out) {
             i = next;
         }
-        // Where a window could not read a value, values one at a time for 512 bytes before the
-        // next try: a body written a value per line leaves every window to fail, and a failed
-        // try at every value made it 2.5 times as slow to read (`lines` in the wire bench).
-        let retry = i + 512;
+        let retry = i + ONE_AT_A_TIME_BYTES;
         loop {
             let (value, next) = one_value(b, i)?;
             out.push(value);
@@ -160,6 +157,11 @@ fn scan_u32_array(b: &[u8], start: usize) -> Option<(Vec<u32>, usize)> {
         }
     }
 }
+
+/// After a window could not read a value, how many bytes of values are read one at a time
+/// before the next try: a body written a value per line leaves every window to fail, and a
+/// failed try at every value made it 2.5 times as slow to read (`lines` in the wire bench).
+const ONE_AT_A_TIME_BYTES: usize = 512;
 
 /// Token ids read a 64-byte window at a time, with SSE2 (part of every x86-64 processor).
 #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
